@@ -1,0 +1,92 @@
+"""Built-in precision plugins: ``no`` (fp32), ``bf16`` (autocast) and ``fp16`` (autocast with a
+dynamic GradScaler). They install plain callables into the step plan once, at prepare; nothing
+here runs through pluggy per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchrig.markers import hookimpl
+from torchrig.run import RunContext
+from torchrig.step_plan import StepPlanBuilder
+
+
+class PrecisionPlugin:
+    """Shared behaviour: check the device supports the mode; install autocast."""
+
+    name = "no"
+    dtype: torch.dtype | None = None
+
+    @hookimpl
+    def torchrig_configure(self, run: RunContext) -> None:
+        if run.device is None:
+            return
+        problem = run.device.precision_problem(self.name)
+        if problem:
+            raise RuntimeError(f"mixed_precision={self.name!r} cannot run on {run.device.device}: {problem}")
+
+    @hookimpl
+    def torchrig_precision_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
+        if self.dtype is None:
+            return
+        assert run.device is not None
+        device_type, dtype = run.device.autocast_device_type, self.dtype
+        autocast_kwargs = dict(run.option("autocast_kwargs", {}) or {})
+        enabled = bool(autocast_kwargs.pop("enabled", True))
+
+        def autocast() -> Any:
+            return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, **autocast_kwargs)
+
+        plan.set("autocast", autocast)
+
+
+class FullPrecision(PrecisionPlugin):
+    name = "no"
+    dtype = None
+
+
+class BFloat16Precision(PrecisionPlugin):
+    name = "bf16"
+    dtype = torch.bfloat16
+
+
+class Float16Precision(PrecisionPlugin):
+    """fp16 autocast; the loss is scaled in ``backward`` and the step goes through the scaler,
+    which skips steps whose gradients overflowed (reported by ``optimizer_step``'s result)."""
+
+    name = "fp16"
+    dtype = torch.float16
+
+    def __init__(self) -> None:
+        self.scaler: torch.amp.GradScaler | None = None
+
+    @hookimpl
+    def torchrig_precision_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
+        super().torchrig_precision_step_plan(run, plan)
+        assert run.device is not None
+        scaler = torch.amp.GradScaler(run.device.autocast_device_type, **dict(run.option("grad_scaler_kwargs", {}) or {}))
+        self.scaler = scaler
+        unscaled: set[int] = set()
+
+        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            scaler.scale(loss).backward(**kwargs)
+
+        def unscale_gradients(optimizer: Any) -> None:
+            # GradScaler refuses a second unscale_ of one optimizer before update().
+            if id(optimizer) not in unscaled:
+                scaler.unscale_(optimizer)
+                unscaled.add(id(optimizer))
+
+        def optimizer_step(optimizer: Any) -> bool:
+            scale_before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            unscaled.discard(id(optimizer))
+            return scaler.get_scale() >= scale_before
+
+        plan.set("backward", backward)
+        plan.set("unscale_gradients", unscale_gradients)
+        plan.set("optimizer_step", optimizer_step)

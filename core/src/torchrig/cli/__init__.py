@@ -1,0 +1,2 @@
+"""The ``torchrig`` command line. Importing it must not import torch: ``torchrig --help``,
+``--version`` and ``plugins`` answer without it."""

@@ -1,0 +1,59 @@
+"""``torchrig plugins``: what is installed, from which distribution, and whether it can be used.
+
+Only manifests are loaded (torch-free): listing never imports a plugin's runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from torchrig.plugin_manager import PluginHost, PluginInfo, PluginStatus
+from torchrig.runtime import DEFAULT_PRECISION, DEFAULT_STRATEGY
+
+#: What a run selects when the configuration says nothing (auto-detected kinds aside).
+DEFAULT_SELECTION = {f"strategy:{DEFAULT_STRATEGY}", f"precision:{DEFAULT_PRECISION}"}
+
+
+def _status(info: PluginInfo) -> str:
+    if info.status is PluginStatus.AVAILABLE and info.key in DEFAULT_SELECTION:
+        return PluginStatus.SELECTED.value
+    return info.status.value
+
+
+def listing(host: PluginHost, kind: str | None = None) -> list[dict[str, object]]:
+    rows = []
+    for info in host.plugins(kind):
+        row = info.describe()
+        row["status"] = _status(info)
+        rows.append(row)
+    return rows
+
+
+def run_plugins(*, as_json: bool, kind: str | None) -> int:
+    host = PluginHost()
+    rows = listing(host, kind)
+    if as_json:
+        print(json.dumps({"plugins": rows}, indent=2))
+    else:
+        _print_table(rows)
+    for info in host.conflicts():
+        print(f"warning: {info.kind.value} plugin {info.name!r} is {info.reason}; selecting it is an error "
+              f"until one is removed or chosen with '{info.name}@<distribution>'", file=sys.stderr)
+    return 0
+
+
+def _print_table(rows: list[dict[str, object]]) -> None:
+    if not rows:
+        print("no torchrig plugins found (is torchrig installed? pip install torchrig)")
+        return
+    headers = ("KIND", "NAME", "DISTRIBUTION", "VERSION", "STATUS")
+    table = [headers] + [
+        (str(r["kind"]), str(r["name"]), str(r["distribution"]), str(r["version"]), str(r["status"])) for r in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
+    for line, row in zip(table, [None, *rows]):
+        text = "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
+        if row is not None and row.get("reason"):
+            text += f"  ({row['reason']})"
+        print(text)

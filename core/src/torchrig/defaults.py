@@ -1,0 +1,127 @@
+"""The core's default hook implementations: one ``trylast`` answer for every firstresult hook.
+
+Registered first, as ``"core:defaults"``, by every :class:`~torchrig.plugin_manager.PluginHost`,
+so "nobody answered" cannot happen. This module stays importable without torch (the CLI
+registers it too); torch is imported inside the implementations that need it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torchrig.markers import hookimpl
+from torchrig.types import Capabilities, ClusterInfo, LaunchPlan, PreparedModel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchrig.run import RunContext
+
+#: Default collective timeout (seconds) for every process group, when the config sets none.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+
+
+class CoreDefaults:
+    """What the core does when no plugin answers."""
+
+    @hookimpl(trylast=True)
+    def torchrig_detect_cluster(self, environ: Mapping[str, str]) -> ClusterInfo:
+        return ClusterInfo()
+
+    @hookimpl(trylast=True)
+    def torchrig_select_device(self, run: RunContext) -> Any:
+        from torchrig.builtins.devices import CPUBackend
+
+        return CPUBackend()
+
+    @hookimpl(trylast=True)
+    def torchrig_init_process_group(self, run: RunContext) -> bool:
+        if run.cluster.world_size <= 1:
+            return True
+        import datetime
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            if dist.get_world_size() != run.cluster.world_size:
+                raise RuntimeError(
+                    f"a process group of world size {dist.get_world_size()} already exists, "
+                    f"but this run expects {run.cluster.world_size}"
+                )
+            return True
+        assert run.device is not None
+        timeout = float(run.option("collective_timeout", DEFAULT_COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group(
+            backend=run.device.dist_backend,
+            init_method=f"tcp://{run.cluster.master_addr}:{run.cluster.master_port}",
+            rank=run.cluster.rank,
+            world_size=run.cluster.world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        return True
+
+    @hookimpl(trylast=True)
+    def torchrig_collectives(self, run: RunContext) -> Any:
+        from torchrig.collectives import Collectives
+
+        return Collectives(world_size=run.cluster.world_size)
+
+    @hookimpl(trylast=True)
+    def torchrig_strategy_capabilities(self, run: RunContext) -> Capabilities:
+        return Capabilities(data_parallel_size=run.cluster.world_size, data_parallel_rank=run.cluster.rank)
+
+    @hookimpl(trylast=True)
+    def torchrig_prepare_model(
+        self, run: RunContext, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any]
+    ) -> PreparedModel:
+        assert run.device is not None
+        model.to(run.device.device)
+        return PreparedModel(model=model, unwrapped=model, optimizers=list(optimizers), schedulers=list(schedulers))
+
+    @hookimpl(trylast=True)
+    def torchrig_prepare_dataloader(self, run: RunContext, dataloader: Any) -> Any:
+        from torchrig.data import prepare_dataloader
+
+        return prepare_dataloader(run, dataloader)
+
+    @hookimpl(trylast=True)
+    def torchrig_prepare_scheduler(self, run: RunContext, scheduler: Any, optimizers: Sequence[Any]) -> Any:
+        from torchrig.scheduler import OptimizerStepScheduler
+
+        return OptimizerStepScheduler(scheduler, optimizers)
+
+    @hookimpl(trylast=True)
+    def torchrig_save_strategy_state(
+        self, run: RunContext, prepared: Sequence[PreparedModel], directory: str
+    ) -> list[str]:
+        from torchrig.state_dicts import save_plain_state
+
+        return save_plain_state(run, prepared, directory)
+
+    @hookimpl(trylast=True)
+    def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> bool:
+        from torchrig.state_dicts import load_plain_state
+
+        load_plain_state(run, prepared, directory)
+        return True
+
+    @hookimpl(trylast=True)
+    def torchrig_full_state_dict(self, run: RunContext, prepared: PreparedModel) -> dict[str, Any]:
+        return prepared.unwrapped.state_dict()
+
+    @hookimpl(trylast=True)
+    def torchrig_launch(self, plan: LaunchPlan) -> int:
+        from torchrig.elastic import launch_with_elastic
+
+        return launch_with_elastic(plan)
+
+    @hookimpl
+    def torchrig_worker_environment(self, plan: LaunchPlan) -> dict[str, str]:
+        """One OpenMP thread per core share: N workers on few cores otherwise oversubscribe."""
+        if "OMP_NUM_THREADS" in os.environ or plan.nproc_per_node <= 1:
+            return {}
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return {"OMP_NUM_THREADS": str(max(1, cores // plan.nproc_per_node))}
+
+
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "CoreDefaults"]

@@ -1,0 +1,415 @@
+"""The hook contract between torchrig's core and its plugins.
+
+This module is the API reference for plugin authors. Every hook is documented with
+
+* **phase** – when it is called;
+* **ranks** – which processes call it;
+* **kind** – ``firstresult`` (the first non-``None`` answer wins; the core registers exactly one
+  ``trylast`` default, so "nobody answered" cannot happen), ``collecting`` (every
+  implementation is called, non-``None`` results are returned as a list) or ``historic``
+  (remembered and replayed to plugins registered later);
+* **arguments** and **return**;
+* **default** – what the core does when no plugin answers.
+
+Design rules the hooks follow (see docs/architecture.md):
+
+* **Hooks decide; the step path runs plain callables.** Nothing in this module is called per
+  training step. At ``prepare`` the core asks the step-plan hooks once and the hot path calls
+  the resulting plain callables (a pluggy call costs ~1.7 µs; the per-step budget is 25 µs).
+* **Capabilities are negotiated, not guessed.** The strategy declares what it owns
+  (:class:`~torchrig.types.Capabilities`); the core never branches on a strategy's name.
+* **Plugins see only the run.** Per-process state lives on the :class:`~torchrig.run.RunContext`
+  passed to hooks (``run.stash`` for plugin data), never in module globals.
+
+Plugin objects are registered under ``"<kind>:<name>"`` (runtime objects) and
+``"<kind>:<name>#manifest"`` (manifests). Registration order, which fixes call order within a
+hook (pluggy calls the most recently registered implementation first, ``tryfirst``/``trylast``
+aside): the core defaults; then manifests of every available plugin; then the runtime objects
+of the selected plugins, kind by kind — cluster, device, precision, strategy, tracker — and,
+within an auto-detected kind (cluster, device), in ascending priority so that the highest
+priority answers first.
+
+Hook-API version: :data:`HOOK_API_VERSION`. A plugin's manifest declares the version it was
+written for; a mismatch is reported at discovery. Adding a hook or an optional argument does not
+change the version (pluggy lets implementations accept a subset of arguments); removing or
+changing one does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torchrig.markers import hookspec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchrig.collectives import Collectives
+    from torchrig.device import DeviceBackend
+    from torchrig.run import RunContext
+    from torchrig.step_plan import StepPlanBuilder
+    from torchrig.tracking import Tracker
+    from torchrig.types import (
+        Capabilities,
+        CliFlag,
+        ClusterInfo,
+        ConfigProblem,
+        ConfigSection,
+        LaunchPlan,
+        PreparedModel,
+    )
+
+#: Version of this hook contract. Plugins declare the version they were written for.
+HOOK_API_VERSION = 1
+
+#: Hook-API versions this torchrig can load.
+SUPPORTED_HOOK_API_VERSIONS = frozenset({1})
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration — implemented by manifests (torch-free). Called in the launcher and in workers.
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def torchrig_config_sections() -> list[ConfigSection]:
+    """Declare this plugin's own configuration section(s).
+
+    - phase: configuration, before anything is validated or started.
+    - ranks: the launcher and every worker; also ``torchrig config``/``plugins``.
+    - kind: collecting, over the manifests of every *available* plugin (selected or not), so
+      that a config file may carry e.g. an ``fsdp_config`` section while DDP is selected.
+    - return: :class:`~torchrig.types.ConfigSection` objects (key, attrs options class,
+      aliases such as Accelerate's spelling).
+    - default: none; a plugin without options returns nothing.
+
+    Must not import torch or the plugin's heavy dependencies.
+    """
+
+
+@hookspec
+def torchrig_cli_flags() -> list[CliFlag]:
+    """Contribute command-line flags to ``torchrig launch``.
+
+    - phase: configuration (building the launcher's argument parser).
+    - ranks: the launcher only.
+    - kind: collecting, over the manifests of every available plugin.
+    - return: :class:`~torchrig.types.CliFlag` objects. Each flag maps onto a dotted config key,
+      so a flag is just the highest-precedence source of that key, validated like any other.
+    - default: none.
+
+    Must not import torch. Two plugins contributing the same flag is an error naming both.
+    """
+
+
+@hookspec
+def torchrig_validate_config(config: Mapping[str, Any]) -> list[ConfigProblem | str]:
+    """Report what is wrong with the resolved configuration, from this plugin's point of view.
+
+    - phase: configuration, twice with the same messages: in the launcher before any worker
+      starts (file, environment and flags) and in each worker after the script's
+      ``Accelerator(...)`` arguments are merged, before any process group is used.
+    - ranks: the launcher; every worker.
+    - kind: collecting, over the manifests of the *selected* plugins and the core. All
+      problems from all plugins are reported together in one :class:`~torchrig.errors.ConfigError`.
+    - arguments: ``config`` — the resolved configuration.
+    - return: problems (:class:`~torchrig.types.ConfigProblem` or plain strings); an empty
+      list or ``None`` when satisfied. Cross-plugin checks belong here (DeepSpeed: "fp16 in
+      ``mixed_precision`` but a bf16 block in the DeepSpeed JSON").
+    - default: none.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Environment — which process am I, on which device, connected how.
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def torchrig_configure(run: RunContext) -> None:
+    """The run context exists: configuration, cluster and device are resolved.
+
+    - phase: end of ``Accelerator`` construction, after the process group is initialised.
+    - ranks: every worker.
+    - kind: historic — a plugin registered later (e.g. a tracker added at ``init_trackers``)
+      receives the call on registration.
+    - default: none.
+    """
+
+
+@hookspec
+def torchrig_unconfigure(run: RunContext) -> None:
+    """The run ends (``end_training`` or interpreter exit): release what ``configure`` took.
+
+    - phase: teardown. ranks: every worker. kind: collecting. default: none.
+    """
+
+
+@hookspec(firstresult=True)
+def torchrig_detect_cluster(environ: Mapping[str, str]) -> ClusterInfo | None:
+    """Say where this process sits in the job, if this cluster environment is the one in use.
+
+    - phase: environment, first thing in a worker (and in the launcher for multi-node).
+    - ranks: every worker.
+    - kind: firstresult, over the cluster plugins in descending priority (or only the one named
+      by the ``cluster`` option). A plugin answers only when it recognises ``environ``
+      (torchelastic: ``TORCHELASTIC_RUN_ID``; slurm: ``SLURM_PROCID``...), else ``None``.
+    - arguments: ``environ`` — the process environment (a copy; tests pass recorded ones).
+    - return: :class:`~torchrig.types.ClusterInfo`.
+    - default: a single process, rank 0 of 1.
+    """
+
+
+@hookspec(firstresult=True)
+def torchrig_select_device(run: RunContext) -> DeviceBackend | None:
+    """Claim this process's device, if this device kind is available and allowed.
+
+    - phase: environment, after cluster detection.
+    - ranks: every worker.
+    - kind: firstresult, over the device plugins in descending priority (cuda before mps before
+      cpu), or only the one forced by config (``use_cpu``/``cpu=True`` selects ``cpu``).
+    - return: a :class:`~torchrig.device.DeviceBackend`: the ``torch.device`` for this local
+      rank, its process-group backend (``nccl``/``gloo``), seeding, RNG state, precision support.
+    - default: the CPU.
+    """
+
+
+@hookspec(firstresult=True)
+def torchrig_init_process_group(run: RunContext) -> bool | None:
+    """Initialise the default process group for a multi-process run.
+
+    - phase: environment, after device selection; before any collective.
+    - ranks: every worker, collectively.
+    - kind: firstresult. A strategy answers when it must initialise communication its own way
+      (DeepSpeed: ``deepspeed.init_distributed``); otherwise the core does.
+    - return: ``True`` once the group is ready.
+    - default: ``torch.distributed.init_process_group`` with the device's backend and the one
+      configured collective timeout, when ``world_size > 1`` and no group exists yet (two
+      Accelerators in one process share it); nothing for one process.
+    """
+
+
+@hookspec(firstresult=True)
+def torchrig_collectives(run: RunContext) -> Collectives | None:
+    """Provide the collective operations (gather, reduce, broadcast, barrier).
+
+    - phase: environment; asked once, the returned object is called directly afterwards.
+    - ranks: every worker.
+    - kind: firstresult. A strategy or device overrides when torch.distributed is not the
+      transport (e.g. XLA).
+    - return: a :class:`~torchrig.collectives.Collectives`.
+    - default: torch.distributed collectives (identity on one process).
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Preparation — ``Accelerator.prepare``: wrap models with their optimizers, data, schedulers.
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def torchrig_strategy_capabilities(run: RunContext) -> Capabilities | None:
+    """Declare what the strategy owns (backward, step, accumulation, clipping, precision,
+    checkpoint format, data-parallel layout).
+
+    - phase: preparation, once before the first model is prepared.
+    - ranks: every worker. kind: firstresult (the selected strategy answers).
+    - return: :class:`~torchrig.types.Capabilities`.
+    - default: owns nothing; state-dict checkpoints; every rank is a data-parallel rank.
+    """
+
+
+@hookspec(firstresult=True)
+def torchrig_prepare_model(
+    run: RunContext, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any]
+) -> PreparedModel | None:
+    """Wrap one model together with the optimizers (and schedulers) over its parameters.
+
+    Model and optimizers are prepared together because strategies need both at once:
+    DeepSpeed's ``initialize`` takes model, optimizer and scheduler and returns an engine;
+    FSDP2's ``fully_shard`` replaces parameters with sharded ones, so optimizers built before
+    ``prepare`` must have their param groups remapped (Accelerate silently leaves them on the
+    old tensors); DDP moves the module and wraps it.
+
+    - phase: preparation, once per model, in the order the user passed them.
+    - ranks: every worker, collectively (wrapping may broadcast or shard).
+    - kind: firstresult (the selected strategy answers).
+    - arguments: ``model`` — the user's ``torch.nn.Module``; ``optimizers`` — the user's
+      optimizers whose parameters belong to this model (the core pairs them by parameter
+      identity); ``schedulers`` — the user's schedulers whose optimizer is among those.
+    - return: :class:`~torchrig.types.PreparedModel`.
+    - default: move the module to ``run.device``; optimizers and schedulers unchanged.
+    """
+
+
+@hookspec(firstresult=True)
+def torchrig_prepare_dataloader(run: RunContext, dataloader: Any) -> Any:
+    """Shard a DataLoader across data-parallel ranks and place its batches on the device.
+
+    - phase: preparation, once per DataLoader.
+    - ranks: every worker.
+    - kind: firstresult. Strategies rarely answer: data-parallel sharding is the core's job,
+      parametrised by the strategy's declared ``data_parallel_size``/``rank``. A device whose
+      loading differs (XLA's parallel loader) may.
+    - return: the prepared loader (iterable, ``len()``, ``state_dict()``/``load_state_dict()``).
+    - default: the core's data layer (:mod:`torchrig.data`).
+    """
+
+
+@hookspec(firstresult=True)
+def torchrig_prepare_scheduler(run: RunContext, scheduler: Any, optimizers: Sequence[Any]) -> Any:
+    """Wrap a learning-rate scheduler so it steps once per *optimizer* step.
+
+    - phase: preparation, once per scheduler, after its optimizer is prepared.
+    - ranks: every worker. kind: firstresult.
+    - arguments: ``optimizers`` — the prepared optimizers the scheduler drives.
+    - return: the scheduler to hand back to the user.
+    - default: a wrapper whose ``step()`` is a no-op while gradients are accumulating or when
+      the optimizer step was skipped (fp16 overflow); never multiplied by the number of
+      processes (Accelerate's most reported trap).
+    """
+
+
+@hookspec
+def torchrig_precision_step_plan(run: RunContext, plan: StepPlanBuilder) -> None:
+    """Install the precision plugin's callables into the step plan.
+
+    - phase: preparation, when the step plan is (re)built; never per step.
+    - ranks: every worker.
+    - kind: collecting, over the selected precision plugin. Not called when the strategy
+      declares ``owns_precision`` (DeepSpeed; FSDP2 whose MixedPrecisionPolicy replaces
+      autocast).
+    - arguments: ``plan`` — the builder; ``plan.set(slot, fn)`` replaces a slot,
+      ``plan.get(slot)`` returns the current callable to wrap. fp16 sets ``autocast`` and wraps
+      ``backward`` (scale), ``unscale_gradients``, ``optimizer_step`` (scaler step/update).
+    - default: the core fills every slot with plain PyTorch before this hook.
+    """
+
+
+@hookspec
+def torchrig_strategy_step_plan(run: RunContext, plan: StepPlanBuilder) -> None:
+    """Install the strategy's callables for what it declared it owns.
+
+    - phase: preparation, after the precision plugin's step plan; never per step.
+    - ranks: every worker. kind: collecting, over the selected strategy.
+    - Examples: DeepSpeed sets ``backward`` (``engine.backward``), ``optimizer_step``
+      (``engine.step``), ``zero_grad`` (no-op), ``clip_grad_norm`` (engine-owned, returns the
+      global norm); DDP sets ``no_sync`` (``model.no_sync()``); FSDP2 sets ``no_sync``
+      (``set_requires_gradient_sync(False)``) and a shard-aware ``clip_grad_norm``.
+    - default: none (the core's plain-PyTorch slots stay).
+    """
+
+
+@hookspec
+def torchrig_wrap_step_plan(run: RunContext, plan: StepPlanBuilder) -> None:
+    """Wrap step-plan callables with cross-cutting behaviour (timing, NaN guards).
+
+    - phase: preparation, last of the step-plan hooks. ranks: every worker.
+    - kind: collecting, over every registered plugin. Off the default path: a plugin wraps
+      only when the user enabled it, since every wrapper costs time on every step.
+    - default: none.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints — strategy-owned state inside the core's commit protocol.
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def torchrig_save_strategy_state(
+    run: RunContext, prepared: Sequence[PreparedModel], directory: str
+) -> list[str] | None:
+    """Write model and optimizer state of every prepared model into ``directory``.
+
+    ``directory`` is the core's temporary checkpoint directory; the core fsyncs, manifests and
+    commits it afterwards (DeepSpeed's own ``latest`` and DCP's metadata are not trusted for
+    commit). The core saves everything else (schedulers, RNG, data position, counters).
+
+    - phase: ``save_state``. ranks: every worker, collectively.
+    - kind: firstresult (the selected strategy). Plain state dicts are written by the main
+      process; sharded formats (FSDP2/DCP) and engines (DeepSpeed) write on every rank.
+    - return: paths, relative to ``directory``, of the files *this rank* wrote.
+    - default: the main process writes each model's and optimizer's ``state_dict``.
+    """
+
+
+@hookspec(firstresult=True)
+def torchrig_load_strategy_state(
+    run: RunContext, prepared: Sequence[PreparedModel], directory: str
+) -> bool | None:
+    """Load what :func:`torchrig_save_strategy_state` wrote into the prepared objects.
+
+    - phase: ``load_state``, after the core verified the checkpoint's manifest.
+    - ranks: every worker, collectively. kind: firstresult.
+    - return: ``True`` when loaded.
+    - default: every rank loads the plain state dicts (mapped to its device).
+    """
+
+
+@hookspec(firstresult=True)
+def torchrig_full_state_dict(run: RunContext, prepared: PreparedModel) -> dict[str, Any] | None:
+    """Return the model's full (unsharded) state dict, for ``save_model``/``get_state_dict``.
+
+    - phase: export. ranks: every worker, collectively (FSDP2 and ZeRO-3 gather shards).
+    - kind: firstresult.
+    - return: the full state dict on the main process (CPU tensors allowed); other ranks may
+      return an empty dict.
+    - default: the unwrapped module's ``state_dict()``.
+    """
+
+
+@hookspec
+def torchrig_checkpoint_committed(run: RunContext, directory: str, manifest: Mapping[str, Any]) -> None:
+    """A checkpoint was committed (renamed into place, ``latest`` updated).
+
+    - phase: after ``save_state``. ranks: the main process. kind: collecting.
+    - Use for uploads or notifications; wrap with ``wrapper=True`` for work around the commit.
+    - default: none.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Tracking — experiment trackers.
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def torchrig_create_trackers(run: RunContext, project_name: str, logging_dir: str | None) -> list[Tracker]:
+    """Create this tracker plugin's tracker(s) for the run.
+
+    - phase: ``init_trackers``.
+    - ranks: the main process only, by core policy (not repeated in each tracker): a job makes
+      one run per tracker, not one per rank.
+    - kind: collecting, over the selected tracker plugins.
+    - return: :class:`~torchrig.tracking.Tracker` objects; the core calls them from a bounded
+      background queue so a failing or blocking tracker never stops or slows training.
+    - default: none.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Launch — ``torchrig launch`` (the launcher process).
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def torchrig_worker_environment(plan: LaunchPlan) -> dict[str, str] | None:
+    """Environment variables every worker of this launch needs.
+
+    - phase: launch, before workers start. ranks: the launcher.
+    - kind: collecting, over selected plugins; later plugins override earlier keys, and the
+      user's own environment overrides all.
+    - Examples: DeepSpeed ``DS_ACCELERATOR=cpu`` on a machine without GPUs; the core's
+      ``OMP_NUM_THREADS`` for several workers on few cores.
+    - default: none.
+    """
+
+
+@hookspec(firstresult=True)
+def torchrig_launch(plan: LaunchPlan) -> int | None:
+    """Start the workers of this node and wait for them.
+
+    - phase: launch. ranks: the launcher. kind: firstresult; wrappers may surround it.
+    - return: the launcher's exit code.
+    - default: ``torch.distributed.elastic`` (the engine torchrun uses).
+    """

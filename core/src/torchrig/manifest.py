@@ -1,0 +1,65 @@
+"""The torch-free half of a plugin: its manifest.
+
+A plugin declares two entry points under the same name: the runtime object (group
+``torchrig.<kind>s``), imported only when the plugin is selected, and a manifest class
+(group ``torchrig.<kind>s.manifests``), loaded for every installed plugin so that
+``torchrig launch --help``, config validation and ``torchrig plugins`` know every plugin
+without importing torch or the plugin's dependencies.
+
+A manifest subclasses :class:`PluginManifest` and sets class attributes; it is instantiated
+once per plugin manager and registered as a pluggy plugin, so it can also implement the
+configuration hooks (``torchrig_validate_config``) with ``@hookimpl``.
+
+Example::
+
+    class DeepSpeedManifest(PluginManifest):
+        api_version = 1
+        summary = "DeepSpeed ZeRO stages 0-3"
+        install_hint = "torchrig[deepspeed]"
+        requires = ("deepspeed",)
+        config_section = ConfigSection("deepspeed_config", DeepSpeedOptions)
+        cli_flags = (CliFlag("--zero_stage", "deepspeed_config.zero_stage", type="int"),)
+
+        @hookimpl
+        def torchrig_validate_config(self, config):
+            ...
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torchrig.markers import hookimpl
+from torchrig.types import CliFlag, ConfigSection
+
+
+class PluginManifest:
+    """Base class of plugin manifests. Must stay importable without torch."""
+
+    #: Hook-API version this plugin was written for (:data:`torchrig.hookspecs.HOOK_API_VERSION`).
+    api_version: ClassVar[int | None] = None
+    #: One line for ``torchrig plugins``.
+    summary: ClassVar[str] = ""
+    #: Top-level modules the runtime entry imports; a missing one makes the plugin
+    #: *unavailable* (checked with ``importlib.util.find_spec``, without importing).
+    requires: ClassVar[tuple[str, ...]] = ()
+    #: What to ``pip install`` to get the runtime's dependencies (e.g. ``"torchrig[deepspeed]"``).
+    #: Defaults to the plugin's own distribution.
+    install_hint: ClassVar[str | None] = None
+    #: Auto-detected kinds (device, cluster): higher priority is asked first.
+    priority: ClassVar[int] = 0
+    #: The plugin's own configuration section, if any.
+    config_section: ClassVar[ConfigSection | None] = None
+    #: Flags the plugin adds to ``torchrig launch``.
+    cli_flags: ClassVar[tuple[CliFlag, ...]] = ()
+
+    @hookimpl
+    def torchrig_config_sections(self) -> list[ConfigSection]:
+        return [self.config_section] if self.config_section is not None else []
+
+    @hookimpl
+    def torchrig_cli_flags(self) -> list[CliFlag]:
+        return list(self.cli_flags)
+
+
+__all__ = ["PluginManifest"]

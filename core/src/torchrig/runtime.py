@@ -1,0 +1,79 @@
+"""Assembling a run from plugins: selection, environment, and the step plan.
+
+The Accelerator calls :func:`start_run` once and :func:`build_step_plan` at ``prepare`` (again
+only if the plugin host's registrations changed). Both ask hooks; neither runs per step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from torchrig.kinds import PluginKind
+from torchrig.plugin_manager import PluginHost
+from torchrig.run import RunContext
+from torchrig.step_plan import StepPlan, StepPlanBuilder
+
+#: Configuration keys that select plugins, and their defaults.
+DEFAULT_STRATEGY = "single"
+DEFAULT_PRECISION = "no"
+
+
+def select_plugins(host: PluginHost, config: Mapping[str, Any]) -> None:
+    """Register the runtime plugins the configuration asks for, kind by kind (cluster, device,
+    precision, strategy, tracker): the documented registration order."""
+    host.select_auto(PluginKind.CLUSTER, only=config.get("cluster") or None)
+    host.select_auto(PluginKind.DEVICE, only="cpu" if config.get("use_cpu") else (config.get("device") or None))
+    host.select(PluginKind.PRECISION, str(config.get("mixed_precision") or DEFAULT_PRECISION))
+    host.select(PluginKind.STRATEGY, str(config.get("strategy") or DEFAULT_STRATEGY))
+    for name in config.get("log_with") or ():
+        host.select(PluginKind.TRACKER, str(name))
+
+
+def start_run(host: PluginHost, config: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> RunContext:
+    """Select plugins, detect the cluster, claim the device, join the process group.
+
+    Order (each step a hook): ``torchrig_detect_cluster`` → ``torchrig_select_device`` →
+    ``torchrig_init_process_group`` → ``torchrig_collectives`` → ``torchrig_configure``.
+    """
+    select_plugins(host, config)
+    host.check_pending()
+    run = RunContext(config=config, plugins=host)
+    environ = dict(os.environ if environ is None else environ)
+    run.cluster = host.hook.torchrig_detect_cluster(environ=environ)
+    run.device = host.hook.torchrig_select_device(run=run)
+    host.hook.torchrig_init_process_group(run=run)
+    run.collectives = host.hook.torchrig_collectives(run=run)
+    host.hook.torchrig_configure.call_historic(kwargs={"run": run})
+    return run
+
+
+def negotiate_capabilities(host: PluginHost, run: RunContext) -> None:
+    """Ask the strategy once what it owns (``torchrig_strategy_capabilities``)."""
+    if run.capabilities is None:
+        run.capabilities = host.hook.torchrig_strategy_capabilities(run=run)
+
+
+def build_step_plan(host: PluginHost, run: RunContext) -> StepPlan:
+    """Ask the step-plan hooks once and freeze the callables the training step will run.
+
+    Core plain-PyTorch slots → ``torchrig_precision_step_plan`` (skipped when the strategy owns
+    precision) → ``torchrig_strategy_step_plan`` → ``torchrig_wrap_step_plan``. Each slot
+    remembers which plugin set it.
+    """
+    negotiate_capabilities(host, run)
+    assert run.capabilities is not None
+    builder = StepPlanBuilder()
+    stages = ["torchrig_strategy_step_plan", "torchrig_wrap_step_plan"]
+    if not run.capabilities.owns_precision:
+        stages.insert(0, "torchrig_precision_step_plan")
+    for hook_name in stages:
+        for plugin_name, call in host.iter_impls(hook_name, run=run, plan=builder):
+            builder.current_owner = plugin_name
+            call()
+    builder.current_owner = None
+    return builder.build()
+
+
+__all__ = ["DEFAULT_PRECISION", "DEFAULT_STRATEGY", "build_step_plan", "negotiate_capabilities", "select_plugins", "start_run"]

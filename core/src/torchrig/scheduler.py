@@ -1,0 +1,42 @@
+"""The core's default scheduler wrapper: one scheduler step per applied optimizer step.
+
+Accelerate steps a prepared scheduler ``num_processes`` times per call (its most reported
+trap); torchrig never does. When a prepared optimizer reports that its last step was skipped
+(fp16 overflow) or that gradients are still accumulating, the scheduler does not advance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class OptimizerStepScheduler:
+    """Wraps a ``torch.optim.lr_scheduler`` scheduler; other attributes pass through."""
+
+    def __init__(self, scheduler: Any, optimizers: Sequence[Any]) -> None:
+        self.scheduler = scheduler
+        self.optimizers = list(optimizers)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        for optimizer in self.optimizers:
+            if getattr(optimizer, "step_was_skipped", False) or getattr(optimizer, "is_accumulating", False):
+                return
+        self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+
+__all__ = ["OptimizerStepScheduler"]

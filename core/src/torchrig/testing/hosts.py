@@ -1,0 +1,25 @@
+"""Plugin hosts for tests: the installed plugins plus fake distributions."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from collections.abc import Iterable, Mapping
+
+from torchrig.discovery import installed_distributions
+from torchrig.plugin_manager import PluginHost
+
+
+def make_host(
+    *fake_distributions: md.Distribution,
+    include_installed: bool = True,
+    disabled: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> PluginHost:
+    """A fresh :class:`~torchrig.plugin_manager.PluginHost` over the installed distributions
+    (unless ``include_installed=False``) plus ``fake_distributions``. ``environ`` defaults to an
+    empty mapping so the caller's ``TORCHRIG_DISABLE_PLUGINS`` does not leak into tests."""
+    dists = [*installed_distributions(), *fake_distributions] if include_installed else list(fake_distributions)
+    return PluginHost(dists, disabled=disabled, environ={} if environ is None else environ)
+
+
+__all__ = ["make_host"]

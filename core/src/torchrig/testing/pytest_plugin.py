@@ -1,0 +1,88 @@
+"""Opt-in pytest plugin: fixtures for plugin tests and multi-process tests.
+
+Fixtures:
+
+* ``fake_modules`` — :class:`~torchrig.testing.fakes.FakeModules`, cleaned up after the test;
+* ``gloo_pool`` — a session-wide 2-rank :class:`~torchrig.testing.pool.WorkerPool`; at the end
+  of the session it is closed and no worker may survive;
+* ``process_guard`` — a :class:`~torchrig.testing.processes.ProcessGuard`; the test fails if a
+  process it tracked is still alive at teardown.
+
+Tests marked ``gpu`` are skipped cleanly when no CUDA device is present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from torchrig.testing.fakes import FakeModules
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "multiprocess: starts processes or uses the gloo worker pool")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped cleanly without one")
+    config.addinivalue_line("markers", "slow: long-running; deselect with -m 'not slow'")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none available here)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_modules() -> Iterator[FakeModules]:
+    modules = FakeModules()
+    yield modules
+    modules.cleanup()
+
+
+@pytest.fixture(scope="session")
+def gloo_pool() -> Iterator[Any]:
+    from torchrig.testing.pool import WorkerPool
+    from torchrig.testing.processes import leftover_processes
+
+    pool = WorkerPool(world_size=2)
+    seen: set[int] = set()
+    try:
+        yield _TrackingPool(pool, seen)
+    finally:
+        seen.update(pool.pids)
+        pool.close()
+        left = leftover_processes(sorted(seen))
+        assert not left, f"gloo worker pool left processes behind: {left}"
+
+
+class _TrackingPool:
+    """Remembers every pid the pool ever used, so the final leftover check covers restarts."""
+
+    def __init__(self, pool: Any, seen: set[int]) -> None:
+        self._pool, self._seen = pool, seen
+
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        try:
+            return self._pool.run(fn, *args, **kwargs)
+        finally:
+            self._seen.update(self._pool.pids)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+@pytest.fixture
+def process_guard() -> Iterator[Any]:
+    from torchrig.testing.processes import ProcessGuard
+
+    guard = ProcessGuard()
+    yield guard
+    guard.assert_none_left()

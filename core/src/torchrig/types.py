@@ -1,0 +1,223 @@
+"""Plain data exchanged through hooks. Torch-free: the launcher and the CLI import it too.
+
+Objects that carry torch values (models, optimizers) are typed with strings so that importing
+this module never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import attrs
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class ClusterInfo:
+    """Where this process sits in the job. Answered by a cluster-environment plugin.
+
+    ``master_addr``/``master_port`` are the rendezvous endpoint of the default process group;
+    ``None`` when the job has one process.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    #: Name of the cluster plugin that answered (``"default"`` for the core fallback).
+    source: str = "default"
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_rank == 0
+
+
+@attrs.frozen
+class Capabilities:
+    """What a strategy owns. Declared once at prepare; the core builds the step plan from it.
+
+    The core never asks *which* strategy is running; it asks what the running strategy owns.
+    For example DeepSpeed owns backward, optimizer step, accumulation, clipping and precision;
+    FSDP2 owns precision (its ``MixedPrecisionPolicy`` replaces autocast) and the checkpoint
+    format; DDP owns nothing but gradient synchronisation and uses the precision plugin as is.
+    """
+
+    #: The strategy performs ``backward`` (e.g. ``engine.backward(loss)``).
+    owns_backward: bool = False
+    #: The strategy performs the optimizer step and zero_grad.
+    owns_optimizer_step: bool = False
+    #: The strategy counts micro-steps itself and steps only at accumulation boundaries.
+    owns_accumulation: bool = False
+    #: The strategy clips gradients itself (``clip_grad_norm_`` is routed to it).
+    owns_clipping: bool = False
+    #: The strategy applies mixed precision itself; the precision plugin's step-plan hook is
+    #: not called, and the strategy reads ``mixed_precision`` from the config.
+    owns_precision: bool = False
+    #: Format of strategy-owned checkpoint state: ``"state_dict"`` (plain, written by rank 0),
+    #: ``"sharded"`` (every rank writes its shard, e.g. DCP) or ``"engine"`` (the engine's own).
+    checkpoint_format: str = attrs.field(
+        default="state_dict", validator=attrs.validators.in_(("state_dict", "sharded", "engine"))
+    )
+    #: Ranks that see different data. Data-parallel strategies: every rank.
+    data_parallel_size: int | None = None
+    data_parallel_rank: int | None = None
+
+
+@attrs.frozen
+class ConfigSection:
+    """A plugin's own configuration section, e.g. ``fsdp_config`` with the FSDP options class.
+
+    ``aliases`` are other keys accepted for the same section (Accelerate's spellings).
+    """
+
+    key: str
+    options: type
+    aliases: tuple[str, ...] = ()
+    help: str = ""
+
+
+@attrs.frozen
+class CliFlag:
+    """A command-line flag a plugin contributes to ``torchrig launch``.
+
+    The flag sets the config value at ``key`` (a dotted path), so flags, files and environment
+    variables share one precedence order and one validation.
+    """
+
+    flag: str = attrs.field()
+    key: str = attrs.field()
+    help: str = ""
+    #: ``"str"``, ``"int"``, ``"float"``, ``"bool"`` (a switch) or ``"list"`` (comma separated).
+    type: str = attrs.field(default="str", validator=attrs.validators.in_(("str", "int", "float", "bool", "list")))
+    choices: tuple[str, ...] = ()
+    metavar: str | None = None
+
+    @flag.validator
+    def _check_flag(self, attribute: attrs.Attribute, value: str) -> None:
+        if not value.startswith("--") or len(value) < 3:
+            raise ValueError(f"CLI flag {value!r} must start with '--'")
+
+
+@attrs.frozen
+class ConfigProblem:
+    """One validation problem: the dotted ``key`` it concerns and what to do about it."""
+
+    key: str
+    message: str
+    #: ``"file:line"`` when known.
+    where: str | None = None
+
+    def __str__(self) -> str:
+        where = f" ({self.where})" if self.where else ""
+        return f"{self.key}{where}: {self.message}"
+
+
+@attrs.define(eq=False)
+class PreparedModel:
+    """What a strategy returns from ``torchrig_prepare_model``.
+
+    ``model`` is what the user calls forward on (a DDP module, an FSDP2 module, a DeepSpeed
+    engine); ``unwrapped`` is the user's own module (``unwrap_model`` returns it);
+    ``optimizers``/``schedulers`` are positionally the ones passed in, possibly replaced
+    (DeepSpeed returns its own optimizer; FSDP2 remaps param groups in place).
+    """
+
+    model: Any
+    unwrapped: Any
+    optimizers: list[Any] = attrs.field(factory=list)
+    schedulers: list[Any] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class LaunchPlan:
+    """Everything needed to start the workers of one node. Built by ``torchrig launch``."""
+
+    #: The command each worker runs: ``[sys.executable, "-u", script, *args]`` or a binary.
+    command: Sequence[str]
+    nproc_per_node: int = 1
+    num_nodes: int = 1
+    node_rank: int = 0
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = "127.0.0.1:0"
+    run_id: str = "torchrig"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    log_dir: str | None = None
+    env: Mapping[str, str] = attrs.field(factory=dict)
+
+
+class StashKey(Generic[T]):
+    """A typed key for :class:`Stash`: plugins keep per-run state under their own keys."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"StashKey({self.name!r})"
+
+
+class Stash:
+    """Per-run storage for plugin state (instead of module globals or singletons).
+
+    A plugin defines ``KEY = StashKey[DeviceMesh]("fsdp.mesh")`` and stores
+    ``run.stash[KEY] = mesh``; keys are objects, so two plugins never collide.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self) -> None:
+        self._data: dict[StashKey[Any], Any] = {}
+
+    def __setitem__(self, key: StashKey[T], value: T) -> None:
+        self._data[key] = value
+
+    def __getitem__(self, key: StashKey[T]) -> T:
+        return self._data[key]
+
+    def get(self, key: StashKey[T], default: T | None = None) -> T | None:
+        return self._data.get(key, default)
+
+    def setdefault(self, key: StashKey[T], default: T) -> T:
+        return self._data.setdefault(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def __delitem__(self, key: StashKey[Any]) -> None:
+        del self._data[key]
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+#: A factory of context managers: ``with plan.autocast(): ...``
+ContextFactory = Callable[[], Any]
+
+__all__ = [
+    "Capabilities",
+    "CliFlag",
+    "ClusterInfo",
+    "ConfigProblem",
+    "ConfigSection",
+    "ContextFactory",
+    "LaunchPlan",
+    "PreparedModel",
+    "Stash",
+    "StashKey",
+]
