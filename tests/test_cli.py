@@ -1,0 +1,116 @@
+"""The `torchrig` command as a user runs it: a real subprocess, its output and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import torchrig
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, code: str | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m torchrig ARGS` (or `python -c CODE`) and capture its output."""
+    command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "torchrig", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+NO_TORCH_CHECK = """
+import sys, contextlib, io
+from torchrig.cli.main import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    try:
+        code = main({args!r})
+    except SystemExit as exc:
+        code = exc.code
+print("TORCH_IMPORTED" if "torch" in sys.modules else "TORCH_NOT_IMPORTED", code)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["plugins"], ["plugins", "--json"], []])
+def test_cli_answers_without_importing_torch(args):
+    result = run_cli(code=NO_TORCH_CHECK.format(args=args))
+    assert result.returncode == 0, result.stderr
+    assert "TORCH_NOT_IMPORTED 0" in result.stdout
+
+
+def test_import_torchrig_does_not_import_torch():
+    result = run_cli(code="import sys, torchrig; print(torchrig.__version__, 'torch' in sys.modules)")
+    assert result.stdout.split() == [torchrig.__version__, "False"]
+
+
+def test_version():
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"torchrig {torchrig.__version__}"
+
+
+def test_plugins_json_lists_core_builtins_with_distribution_and_version():
+    result = run_cli("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["plugins"]
+    by_key = {(r["kind"], r["name"]): r for r in rows}
+    for key in [("strategy", "single"), ("precision", "no"), ("precision", "fp16"), ("precision", "bf16"),
+                ("device", "cpu"), ("device", "cuda"), ("device", "mps")]:
+        row = by_key[key]
+        assert row["distribution"] == "torchrig"
+        assert row["version"] == torchrig.__version__
+        assert row["status"] in ("selected", "available")
+    assert by_key[("strategy", "single")]["status"] == "selected"
+    assert by_key[("precision", "no")]["status"] == "selected"
+    assert by_key[("device", "cuda")]["summary"]
+
+
+def test_plugins_table_and_disabled_status():
+    result = run_cli("plugins", env={"TORCHRIG_DISABLE_PLUGINS": "precision:fp16"})
+    assert result.returncode == 0, result.stderr
+    lines = {tuple(line.split()[:2]): line for line in result.stdout.splitlines()[1:]}
+    assert "disabled" in lines[("precision", "fp16")]
+    assert lines[("strategy", "single")].split()[4] == "selected"
+
+
+def test_plugins_kind_filter_and_bad_kind():
+    ok = run_cli("plugins", "--kind", "precision", "--json")
+    assert {r["kind"] for r in json.loads(ok.stdout)["plugins"]} == {"precision"}
+    bad = run_cli("plugins", "--kind", "strategi")
+    assert bad.returncode == 2
+    assert "unknown plugin kind 'strategi'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("args", [["bogus"], ["plugins", "--bogus-flag"], ["env", "--nope"]])
+def test_usage_errors_exit_2_without_traceback(args):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "error" in result.stderr
+
+
+def test_env_reports_versions_and_devices():
+    result = run_cli("env", "--json", env={"TORCHRIG_DISABLE_PLUGINS": "x"})
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    import torch
+
+    assert info["torchrig"] == torchrig.__version__
+    assert info["torch"] == torch.__version__
+    assert info["python"] == sys.version.split()[0]
+    assert info["plugin_distributions"]["torchrig"] == torchrig.__version__
+    assert {"torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers"} <= set(info["plugin_distributions"])
+    assert info["cuda_available"] == torch.cuda.is_available()
+    assert info["environment"]["TORCHRIG_DISABLE_PLUGINS"] == "x"
+    text = run_cli("env")
+    assert text.returncode == 0 and "torch:" in text.stdout
+
+
+def test_console_script_is_installed():
+    import shutil
+
+    exe = shutil.which("torchrig")
+    assert exe, "the `torchrig` console script is not on PATH"
+    result = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == f"torchrig {torchrig.__version__}"
