@@ -87,3 +87,10 @@ def test_every_manifest_module_is_torch_free():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stdout + result.stderr
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Test", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
+    ci = [l for l in (REPO / ".ci/run").read_text().splitlines() if l.strip() and not l.startswith(("#", "set ", "cd ", "export "))]
+    assert ci == [block], f"README test command {block!r} differs from .ci/run {ci!r}"

@@ -1,0 +1,69 @@
+"""Wheel smoke test: build the five wheels, install them into a fresh virtual environment
+without system site-packages and without an index, and ask the installed `torchrig` what it has.
+
+Editable installs hide packaging mistakes (a module missing from the wheel, an entry point
+pointing nowhere, an extra naming the wrong distribution); this test catches them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import torchrig
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DISTRIBUTIONS = ["core", "plugins/ddp", "plugins/fsdp", "plugins/deepspeed", "plugins/trackers"]
+
+
+def sh(*command: str | os.PathLike, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=timeout, **kwargs)
+    assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.mark.packaging
+@pytest.mark.timeout(1200)
+def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_path):
+    dist = tmp_path / "dist"
+    for directory in DISTRIBUTIONS:
+        sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist, REPO / directory)
+    wheels = sorted(p.name for p in dist.glob("*.whl"))
+    version = torchrig.__version__
+    for name in ["torchrig", "torchrig_ddp", "torchrig_fsdp", "torchrig_deepspeed", "torchrig_trackers"]:
+        assert f"{name}-{version}-py3-none-any.whl" in wheels, wheels
+
+    # Third-party dependencies come from a local wheelhouse (torch from the machine's local CPU
+    # wheel), so the install itself runs with --no-index: only what we built and pinned.
+    wheelhouse = tmp_path / "wheelhouse"
+    sh(sys.executable, "-m", "pip", "download", "--only-binary=:all:", "-d", wheelhouse,
+       "torch==2.13.0", "pluggy>=1.5", "attrs>=23.1", "pyyaml>=6.0")
+
+    venv = tmp_path / "venv"
+    sh(sys.executable, "-m", "venv", venv)
+    python, pip = venv / "bin" / "python", [venv / "bin" / "python", "-m", "pip"]
+    flags = ["--no-index", "--find-links", dist, "--find-links", wheelhouse, "--disable-pip-version-check"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
+    sh(*pip, "install", *flags, "torchrig", "torchrig[fsdp,trackers]", env=env)
+    # DeepSpeed itself ships only as an sdist; the plugin's own packaging is what is under test.
+    sh(*pip, "install", *flags, "--no-deps", "torchrig-deepspeed", env=env)
+
+    no_site = sh(python, "-c", "import sys; print(sys.flags.no_site, any('site-packages' in p and 'venv' not in p for p in sys.path))", env=env)
+    assert no_site.stdout.split()[1] == "False", "the venv must not see system site-packages"
+
+    listing = json.loads(sh(venv / "bin" / "torchrig", "plugins", "--json", env=env).stdout)["plugins"]
+    builtins = {(r["kind"], r["name"]) for r in listing if r["distribution"] == "torchrig" and r["version"] == version}
+    assert {("strategy", "single"), ("precision", "no"), ("precision", "fp16"), ("precision", "bf16"),
+            ("device", "cpu"), ("device", "cuda"), ("device", "mps")} <= builtins
+    assert all(r["status"] in ("selected", "available") for r in listing), listing
+
+    installed = json.loads(sh(venv / "bin" / "torchrig", "env", "--json", env=env).stdout)["plugin_distributions"]
+    for name in ["torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers"]:
+        assert installed.get(name) == version, installed
+    imports = "import torchrig_ddp, torchrig_fsdp, torchrig_deepspeed, torchrig_trackers, torchrig.testing.fakes, torchrig.testing.recorder"
+    sh(python, "-c", imports, env=env)
