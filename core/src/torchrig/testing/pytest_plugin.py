@@ -49,34 +49,17 @@ def fake_modules() -> Iterator[FakeModules]:
 
 @pytest.fixture(scope="session")
 def gloo_pool() -> Iterator[Any]:
+    """A 2-rank gloo pool shared by the whole session; no worker may outlive it."""
     from torchrig.testing.pool import WorkerPool
     from torchrig.testing.processes import leftover_processes
 
     pool = WorkerPool(world_size=2)
-    seen: set[int] = set()
     try:
-        yield _TrackingPool(pool, seen)
+        yield pool
     finally:
-        seen.update(pool.pids)
         pool.close()
-        left = leftover_processes(sorted(seen))
+        left = leftover_processes(sorted(pool.started_pids))
         assert not left, f"gloo worker pool left processes behind: {left}"
-
-
-class _TrackingPool:
-    """Remembers every pid the pool ever used, so the final leftover check covers restarts."""
-
-    def __init__(self, pool: Any, seen: set[int]) -> None:
-        self._pool, self._seen = pool, seen
-
-    def run(self, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
-        try:
-            return self._pool.run(fn, *args, **kwargs)
-        finally:
-            self._seen.update(self._pool.pids)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pool, name)
 
 
 @pytest.fixture
