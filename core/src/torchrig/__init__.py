@@ -13,6 +13,8 @@ from torchrig._version import __version__
 
 #: Public name -> module that defines it.
 _LAZY: dict[str, str] = {
+    # the user API
+    "Accelerator": "torchrig.accelerator",
     # plugin API
     "hookimpl": "torchrig.markers",
     "hookspec": "torchrig.markers",
@@ -37,6 +39,16 @@ _LAZY: dict[str, str] = {
     "PreparedModel": "torchrig.types",
     "Stash": "torchrig.types",
     "StashKey": "torchrig.types",
+    # configuration (Accelerate's names)
+    "DataLoaderConfiguration": "torchrig.config.options",
+    "ProjectConfiguration": "torchrig.config.options",
+    "GradientAccumulationPlugin": "torchrig.config.options",
+    "AutocastKwargs": "torchrig.config.options",
+    "GradScalerKwargs": "torchrig.config.options",
+    "InitProcessGroupKwargs": "torchrig.config.options",
+    "TorchDynamoPlugin": "torchrig.config.options",
+    "ConfigOverrideWarning": "torchrig.config.resolve",
+    "resolve_config": "torchrig.config.resolve",
     # errors
     "ConfigError": "torchrig.errors",
     "PluginError": "torchrig.errors",
@@ -51,13 +63,40 @@ _LAZY: dict[str, str] = {
 __all__ = ["__version__", *sorted(_LAZY)]
 
 
+#: Names provided by first-party plugins, and the pip requirement that installs each; used only
+#: for the error message when the plugin is missing (installed plugins declare their exports).
+_PLUGIN_EXPORT_HINTS: dict[str, str] = {
+    "DistributedDataParallelKwargs": "torchrig-ddp",
+    "FullyShardedDataParallelPlugin": "torchrig[fsdp]",
+    "DeepSpeedPlugin": "torchrig[deepspeed]",
+}
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif name[:1].isupper():
+        value = _plugin_export(name)
+    else:
         raise AttributeError(f"module 'torchrig' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
+
+
+def _plugin_export(name: str) -> Any:
+    """``torchrig.DeepSpeedPlugin`` and friends: resolved from the installed plugin's manifest
+    (its ``exports``), so the core never imports a plugin package by name."""
+    from torchrig.discovery import load_reference
+    from torchrig.plugin_manager import PluginHost
+
+    for info in PluginHost(register_defaults=False).plugins():
+        if info.manifest is not None and name in info.manifest.exports:
+            return load_reference(info.manifest.exports[name])
+    hint = _PLUGIN_EXPORT_HINTS.get(name)
+    if hint is None:
+        raise AttributeError(f"module 'torchrig' has no attribute {name!r}")
+    raise ImportError(f"torchrig.{name} is provided by a plugin that is not installed: pip install '{hint}'", name=name)
 
 
 def __dir__() -> list[str]:
@@ -65,6 +104,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torchrig.accelerator import Accelerator
     from torchrig.collectives import Collectives
     from torchrig.device import DeviceBackend
     from torchrig.errors import (

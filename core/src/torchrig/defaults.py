@@ -24,6 +24,12 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 class CoreDefaults:
     """What the core does when no plugin answers."""
 
+    @hookimpl
+    def torchrig_config_sections(self) -> list[Any]:
+        from torchrig.config.options import CORE_SECTIONS
+
+        return list(CORE_SECTIONS)
+
     @hookimpl(trylast=True)
     def torchrig_detect_cluster(self, environ: Mapping[str, str]) -> ClusterInfo:
         return ClusterInfo()
@@ -50,7 +56,7 @@ class CoreDefaults:
                 )
             return True
         assert run.device is not None
-        timeout = float(run.option("collective_timeout", DEFAULT_COLLECTIVE_TIMEOUT_S))
+        timeout = float(run.option("init_process_group_kwargs.timeout", DEFAULT_COLLECTIVE_TIMEOUT_S))
         dist.init_process_group(
             backend=run.device.dist_backend,
             init_method=f"tcp://{run.cluster.master_addr}:{run.cluster.master_port}",

@@ -52,6 +52,14 @@ class PluginManifest:
     config_section: ClassVar[ConfigSection | None] = None
     #: Flags the plugin adds to ``torchrig launch``.
     cli_flags: ClassVar[tuple[CliFlag, ...]] = ()
+    #: Other values that select this plugin in configuration, compared case-insensitively: a
+    #: strategy lists the Accelerate ``distributed_type`` values it serves (``"MULTI_GPU"``).
+    aliases: ClassVar[tuple[str, ...]] = ()
+    #: A strategy that is the default when a job has several processes and names no strategy.
+    default_for_distributed: ClassVar[bool] = False
+    #: Public names this plugin provides as ``torchrig.<name>`` (``{"DeepSpeedPlugin":
+    #: "torchrig_deepspeed.options:DeepSpeedPlugin"}``); resolved lazily, torch-free.
+    exports: ClassVar[dict[str, str]] = {}
 
     @hookimpl
     def torchrig_config_sections(self) -> list[ConfigSection]:

@@ -52,6 +52,14 @@ DISABLE_ENV = "TORCHRIG_DISABLE_PLUGINS"
 DEFAULTS_NAME = "core:defaults"
 
 
+def _call_alone(caller: Any, firstresult: bool, kwargs: dict[str, Any]) -> Any:
+    """One implementation's own result (a collecting call of one returns a one-item list)."""
+    result = caller(**kwargs)
+    if firstresult:
+        return result
+    return result[0] if result else None
+
+
 class PluginStatus(str, enum.Enum):
     SELECTED = "selected"
     AVAILABLE = "available"
@@ -194,7 +202,7 @@ class PluginHost:
         if info.status is PluginStatus.DISABLED:
             raise PluginDisabledError(
                 f"{kind.value} plugin {plain!r} ({info.records[0].source}) is disabled ({info.reason}); "
-                f"remove it from {DISABLE_ENV} / the 'disabled_plugins' option to use it"
+                f"remove it from {DISABLE_ENV} / the 'disable_plugins' option to use it"
             )
         if info.status is PluginStatus.CONFLICT:
             if not wanted_dist:
@@ -228,6 +236,19 @@ class PluginHost:
                 info.status = PluginStatus.UNAVAILABLE
                 info.reason = str(exc)
         return self.selected(kind)
+
+    def disable(self, names: Iterable[str]) -> None:
+        """Disable plugins after discovery (the configuration's ``disable_plugins``): their
+        manifests are unregistered and selecting them raises :class:`PluginDisabledError`."""
+        self.disabled |= parse_disabled(names)
+        for info in self._infos.values():
+            if info.status is PluginStatus.DISABLED or not self._is_disabled(info):
+                continue
+            if info.status is PluginStatus.SELECTED:
+                raise PluginDisabledError(f"{info.key} is disabled but was already selected")
+            if self.pm.has_plugin(f"{info.key}#manifest"):
+                self.unregister(f"{info.key}#manifest")
+            info.status, info.reason = PluginStatus.DISABLED, f"disabled by {DISABLE_ENV} or 'disable_plugins'"
 
     def register(self, plugin: Any, name: str) -> None:
         """Register a plugin object under ``name`` (validated against the hook specs)."""
@@ -263,7 +284,7 @@ class PluginHost:
             if impl.wrapper or impl.hookwrapper:
                 continue
             only = self.pm.subset_hook_caller(hook_name, remove_plugins=[p for p in everyone if p is not impl.plugin])
-            yield impl.plugin_name, functools.partial(only, **kwargs)
+            yield impl.plugin_name, functools.partial(_call_alone, only, caller.spec.opts["firstresult"], kwargs)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -276,7 +297,7 @@ class PluginHost:
 
     def _load_manifest(self, info: PluginInfo) -> None:
         if self._is_disabled(info):
-            info.status, info.reason = PluginStatus.DISABLED, f"disabled by {DISABLE_ENV} or 'disabled_plugins'"
+            info.status, info.reason = PluginStatus.DISABLED, f"disabled by {DISABLE_ENV} or 'disable_plugins'"
             return
         if len({r.distribution for r in info.records}) > 1:
             sources = " and ".join(r.source for r in info.records)
@@ -286,11 +307,11 @@ class PluginHost:
         self._check_record(info)
 
     def _check_record(self, info: PluginInfo) -> None:
-        """Load and check the chosen record's manifest; register it if the plugin is usable."""
+        """Load and check the chosen record's manifest. A manifest that loads is registered even
+        when the runtime cannot be used (missing dependency, no runtime entry), so the plugin's
+        config section is still understood; selecting the plugin then fails with the reason."""
         record = info.record
         assert record is not None
-        if record.runtime is None:
-            return self._mark_unavailable(info, f"declares a manifest but no runtime entry point in group {info.kind.runtime_group!r}")
         if record.manifest is None:
             return self._mark_unavailable(info, f"declares no manifest entry point in group {info.kind.manifest_group!r}")
         try:
@@ -308,13 +329,15 @@ class PluginHost:
                 f"install a {record.distribution} release made for this torchrig, or a torchrig that supports version {version}",
                 api_mismatch=True,
             )
-        missing = [m for m in manifest_cls.requires if importlib.util.find_spec(m) is None]
         info.manifest = manifest_cls()
+        self.register(info.manifest, f"{info.key}#manifest")
+        if record.runtime is None:
+            return self._mark_unavailable(info, f"declares a manifest but no runtime entry point in group {info.kind.runtime_group!r}")
+        missing = [m for m in manifest_cls.requires if importlib.util.find_spec(m) is None]
         if missing:
             return self._mark_unavailable(
                 info, f"missing dependency {', '.join(repr(m) for m in missing)}; fix: {self._pip_fix(info)}"
             )
-        self.register(info.manifest, f"{info.key}#manifest")
         info.status, info.reason = PluginStatus.AVAILABLE, None
 
     def _mark_unavailable(self, info: PluginInfo, reason: str, *, api_mismatch: bool = False) -> None:

@@ -11,37 +11,55 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrig.kinds import PluginKind
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_manager import PluginHost, PluginStatus
 from torchrig.run import RunContext
 from torchrig.step_plan import StepPlan, StepPlanBuilder
+from torchrig.types import ClusterInfo
 
 #: Configuration keys that select plugins, and their defaults.
 DEFAULT_STRATEGY = "single"
 DEFAULT_PRECISION = "no"
 
 
-def select_plugins(host: PluginHost, config: Mapping[str, Any]) -> None:
-    """Register the runtime plugins the configuration asks for, kind by kind (cluster, device,
-    precision, strategy, tracker): the documented registration order."""
+def detect_cluster(host: PluginHost, config: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ClusterInfo:
+    """Register the cluster plugins (all installed, by priority, or the one ``cluster`` names)
+    and ask ``torchrig_detect_cluster`` where this process sits."""
     host.select_auto(PluginKind.CLUSTER, only=config.get("cluster") or None)
+    return host.hook.torchrig_detect_cluster(environ=dict(os.environ if environ is None else environ))
+
+
+def select_plugins(host: PluginHost, config: Mapping[str, Any]) -> None:
+    """Register the runtime plugins the configuration asks for, kind by kind (device, precision,
+    strategy, tracker — clusters come first, in :func:`detect_cluster`): the documented order."""
     host.select_auto(PluginKind.DEVICE, only="cpu" if config.get("use_cpu") else (config.get("device") or None))
     host.select(PluginKind.PRECISION, str(config.get("mixed_precision") or DEFAULT_PRECISION))
     host.select(PluginKind.STRATEGY, str(config.get("strategy") or DEFAULT_STRATEGY))
     for name in config.get("log_with") or ():
-        host.select(PluginKind.TRACKER, str(name))
+        if name == "all":
+            for info in host.plugins(PluginKind.TRACKER):
+                if info.status is PluginStatus.AVAILABLE:
+                    host.select(PluginKind.TRACKER, info.name)
+        elif isinstance(name, str):
+            host.select(PluginKind.TRACKER, name)
 
 
-def start_run(host: PluginHost, config: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> RunContext:
-    """Select plugins, detect the cluster, claim the device, join the process group.
+def start_run(
+    host: PluginHost,
+    config: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    *,
+    cluster: ClusterInfo | None = None,
+) -> RunContext:
+    """Detect the cluster (unless given), select plugins, claim the device, join the process group.
 
     Order (each step a hook): ``torchrig_detect_cluster`` → ``torchrig_select_device`` →
     ``torchrig_init_process_group`` → ``torchrig_collectives`` → ``torchrig_configure``.
     """
+    if cluster is None:
+        cluster = detect_cluster(host, config, environ)
     select_plugins(host, config)
     host.check_pending()
-    run = RunContext(config=config, plugins=host)
-    environ = dict(os.environ if environ is None else environ)
-    run.cluster = host.hook.torchrig_detect_cluster(environ=environ)
+    run = RunContext(config=config, plugins=host, cluster=cluster)
     run.device = host.hook.torchrig_select_device(run=run)
     host.hook.torchrig_init_process_group(run=run)
     run.collectives = host.hook.torchrig_collectives(run=run)
@@ -76,4 +94,4 @@ def build_step_plan(host: PluginHost, run: RunContext) -> StepPlan:
     return builder.build()
 
 
-__all__ = ["DEFAULT_PRECISION", "DEFAULT_STRATEGY", "build_step_plan", "negotiate_capabilities", "select_plugins", "start_run"]
+__all__ = ["DEFAULT_PRECISION", "DEFAULT_STRATEGY", "build_step_plan", "detect_cluster", "negotiate_capabilities", "select_plugins", "start_run"]

@@ -88,6 +88,10 @@ class ConfigSection:
     options: type
     aliases: tuple[str, ...] = ()
     help: str = ""
+    #: Values used when no source sets a key, if they differ from ``options()``'s own defaults
+    #: (``dynamo_config`` compiles nothing unless configured, yet ``TorchDynamoPlugin()`` in a
+    #: script means inductor).
+    default: Any = None
 
 
 @attrs.frozen
@@ -101,10 +105,13 @@ class CliFlag:
     flag: str = attrs.field()
     key: str = attrs.field()
     help: str = ""
-    #: ``"str"``, ``"int"``, ``"float"``, ``"bool"`` (a switch) or ``"list"`` (comma separated).
-    type: str = attrs.field(default="str", validator=attrs.validators.in_(("str", "int", "float", "bool", "list")))
+    #: ``"str"``, ``"int"``, ``"float"``, ``"bool"`` (``--x``/``--x false``), ``"list"`` (comma
+    #: separated) or ``"const"`` (a switch storing ``const``).
+    type: str = attrs.field(default="str", validator=attrs.validators.in_(("str", "int", "float", "bool", "list", "const")))
     choices: tuple[str, ...] = ()
     metavar: str | None = None
+    #: For a switch that stores a fixed value (``--use_fsdp`` stores ``"fsdp"`` into ``strategy``).
+    const: Any = None
 
     @flag.validator
     def _check_flag(self, attribute: attrs.Attribute, value: str) -> None:

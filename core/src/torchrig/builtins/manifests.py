@@ -10,6 +10,7 @@ class SINGLE(PluginManifest):
     api_version = HOOK_API_VERSION
     summary = "one process on one device, no distribution"
     install_hint = "torchrig"
+    aliases = ("NO",)
 
 
 class _Precision(PluginManifest):
@@ -47,3 +48,10 @@ class DEVICE_MPS(_Device):
 class DEVICE_CUDA(_Device):
     summary = "NVIDIA CUDA GPUs (nccl process groups), one per local rank"
     priority = 100
+
+
+class CLUSTER_TORCHELASTIC(PluginManifest):
+    api_version = HOOK_API_VERSION
+    summary = "workers started by torch elastic (torchrun, torchrig launch): RANK, WORLD_SIZE, MASTER_ADDR..."
+    install_hint = "torchrig"
+    priority = 50

@@ -6,8 +6,9 @@ Usage and plugin errors print one message and exit with code 2 — never a trace
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torchrig._version import __version__
 from torchrig.errors import TorchrigError
@@ -32,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--kind", help="only this kind (strategy, precision, device, tracker, cluster)")
     plugins.set_defaults(handler=_run_plugins)
 
+    # `config` parses its own arguments: its flags come from the installed plugins (see main()).
+    sub.add_parser("config", help="write the machine's default config; `config show` / `config validate`")
+
     env = sub.add_parser("env", help="versions, devices and settings to paste into a bug report")
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(handler=_run_env)
@@ -51,15 +55,32 @@ def _run_env(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["config"]:
+        return _guarded("config", lambda: _run_config(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()
         return 0
+    return _guarded(args.command, lambda: args.handler(args))
+
+
+def _run_config(argv: list[str]) -> int:
+    from torchrig.cli.config import run_config
+
+    return run_config(argv)
+
+
+def _guarded(command: str, run: Callable[[], int]) -> int:
+    """Run a command; configuration and plugin errors print one message and exit 2."""
     try:
-        return int(args.handler(args))
+        return int(run())
+    except BrokenPipeError:  # `torchrig plugins | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (TorchrigError, ValueError) as exc:
-        print(f"torchrig {args.command}: error: {exc}", file=sys.stderr)
+        print(f"torchrig {command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
 

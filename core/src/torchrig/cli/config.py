@@ -1,0 +1,203 @@
+"""``torchrig config``: write the machine's default file, show and validate configuration.
+
+    torchrig config                      questionnaire -> the machine's default config file
+    torchrig config --default            write it without questions, from detected hardware
+    torchrig config show [--config_file F] [flags]    every value with its source
+    torchrig config validate F [flags]   exit 0 when valid, 2 with every problem otherwise
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import yaml
+
+from torchrig.config.flags import add_config_flags, collect_flags, flag_values
+from torchrig.config.resolve import CONFIG_FILE_ENV, ResolvedConfig, Schema, default_config_path, resolve_config
+from torchrig.errors import ConfigError
+from torchrig.plugin_manager import PluginHost, PluginStatus
+
+
+def build_config_parser(schema: Schema) -> tuple[argparse.ArgumentParser, dict[str, Any], dict[str, Any]]:
+    parser = argparse.ArgumentParser(prog="torchrig config", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--default", action="store_true", help="write the default file from detected hardware, no questions")
+    parser.add_argument("--config_file", help="where to write (default: the machine's default file)")
+    sub = parser.add_subparsers(dest="action", metavar="ACTION")
+    flags = collect_flags(schema)
+    show = sub.add_parser("show", help="print every configuration value with its source", allow_abbrev=False)
+    show.add_argument("--config_file", help=f"the run's config file (default: ${CONFIG_FILE_ENV})")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.add_argument("--only-set", action="store_true", help="only values that a source set")
+    show_flags = add_config_flags(show, flags, "launch flags (highest precedence)")
+    validate = sub.add_parser("validate", help="check a config file (and flags); exit 2 listing every problem",
+                              allow_abbrev=False)
+    validate.add_argument("file", help="the config file to check")
+    validate_flags = add_config_flags(validate, flags, "launch flags (highest precedence)")
+    return parser, show_flags, validate_flags
+
+
+def run_config(argv: Sequence[str], *, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    host = PluginHost()
+    parser, show_flags, validate_flags = build_config_parser(Schema(host))
+    args = parser.parse_args(list(argv))
+    if args.action == "show":
+        config = resolve_config(host, config_file=args.config_file, flags=flag_values(args, show_flags), warn=False)
+        _show(config, stdout, as_json=args.json, only_set=args.only_set)
+        return 0
+    if args.action == "validate":
+        if not os.path.isfile(args.file):
+            raise ConfigError(f"{args.file}: no such file")
+        config = resolve_config(host, config_file=args.file, flags=flag_values(args, validate_flags),
+                                default_file=False, warn=False)
+        print(f"{args.file}: valid (strategy {config['strategy']}, mixed_precision {config['mixed_precision']}, "
+              f"{len(config.notes)} accepted key(s) with no effect)", file=stdout)
+        for note in config.notes:
+            print(f"  note: {note.key} ({note.source.detail}) has no effect: {note.reason}", file=stdout)
+        return 0
+    target = pathlib.Path(args.config_file) if args.config_file else default_config_path()
+    answers = _detect_defaults(host) if args.default else _questionnaire(host, stdin, stdout)
+    _write_validated(host, answers, target)
+    print(f"configuration written to {target}", file=stdout)
+    return 0
+
+
+def _show(config: ResolvedConfig, out: TextIO, *, as_json: bool, only_set: bool) -> None:
+    rows = [(k, v, s) for k, v, s in config.explain() if not only_set or config.is_set(k)]
+    if as_json:
+        payload = {
+            "values": {k: {"value": v, "source": str(s)} for k, v, s in rows},
+            "notes": [{"key": n.key, "value": n.value, "reason": n.reason, "source": str(n.source)} for n in config.notes],
+            "warnings": list(config.warnings),
+        }
+        print(json.dumps(payload, indent=2, default=str), file=out)
+        return
+    width = max((len(k) for k, _, _ in rows), default=3)
+    vwidth = min(40, max((len(repr(v)) for _, v, _ in rows), default=5))
+    print(f"{'KEY':<{width}}  {'VALUE':<{vwidth}}  SOURCE", file=out)
+    for key, value, source in rows:
+        print(f"{key:<{width}}  {_show_value(value):<{vwidth}}  {source}", file=out)
+    for note in config.notes:
+        print(f"note: {note.key} = {note.value!r} ({note.source}) has no effect: {note.reason}", file=out)
+    for warning in config.warnings:
+        print(f"warning: {warning}", file=out)
+
+
+def _show_value(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+# -- writing the machine's default file --------------------------------------------------------
+
+
+def _strategy_names(host: PluginHost) -> list[str]:
+    return [i.name for i in host.plugins("strategy") if i.status in (PluginStatus.AVAILABLE, PluginStatus.SELECTED)]
+
+
+def _default_distributed(host: PluginHost) -> str | None:
+    for info in host.plugins("strategy"):
+        if info.manifest is not None and info.manifest.default_for_distributed and info.status is PluginStatus.AVAILABLE:
+            return info.name
+    return None
+
+
+def _detect_defaults(host: PluginHost) -> dict[str, Any]:
+    """What ``accelerate config default`` would write, from the hardware torch sees."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    answers: dict[str, Any] = {"mixed_precision": "no", "use_cpu": gpus == 0, "num_machines": 1,
+                               "num_processes": max(gpus, 1)}
+    distributed = _default_distributed(host)
+    answers["strategy"] = distributed if gpus > 1 and distributed else "single"
+    if answers["strategy"] == "single":
+        answers["num_processes"] = 1
+    return answers
+
+
+def _ask(stdin: TextIO, stdout: TextIO, question: str, default: Any, convert: Callable[[str], Any]) -> Any:
+    """Ask until the answer converts; an empty answer takes the default. EOF is an error."""
+    for _ in range(5):
+        print(f"{question} [{default}]: ", end="", file=stdout, flush=True)
+        line = stdin.readline()
+        if not line:
+            raise ConfigError(f"no answer to {question!r} (end of input)")
+        text = line.strip()
+        if not text:
+            return default
+        try:
+            return convert(text)
+        except ValueError as exc:
+            print(f"  invalid answer: {exc}", file=stdout)
+    raise ConfigError(f"no valid answer to {question!r} after 5 tries")
+
+
+def _choice(options: Sequence[str]) -> Callable[[str], str]:
+    def convert(text: str) -> str:
+        for option in options:
+            if text.lower() == option.lower():
+                return option
+        raise ValueError(f"choose one of: {', '.join(options)}")
+
+    return convert
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be at least 1")
+    return value
+
+
+def _yes_no(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("y", "yes", "true"):
+        return True
+    if lowered in ("n", "no", "false"):
+        return False
+    raise ValueError("answer yes or no")
+
+
+def _questionnaire(host: PluginHost, stdin: TextIO, stdout: TextIO) -> dict[str, Any]:
+    strategies = _strategy_names(host)
+    precisions = [i.name for i in host.plugins("precision") if i.status is not PluginStatus.DISABLED]
+    answers: dict[str, Any] = {}
+    answers["strategy"] = _ask(stdin, stdout, f"Strategy ({'/'.join(strategies)})", "single", _choice(strategies))
+    if answers["strategy"] != "single":
+        answers["num_machines"] = _ask(stdin, stdout, "How many machines", 1, _positive_int)
+        if answers["num_machines"] > 1:
+            answers["machine_rank"] = _ask(stdin, stdout, "Rank of this machine", 0, int)
+            answers["main_process_ip"] = _ask(stdin, stdout, "IP address of machine 0", "127.0.0.1", str)
+            answers["main_process_port"] = _ask(stdin, stdout, "Port on machine 0", 29500, int)
+        answers["num_processes"] = _ask(stdin, stdout, "How many processes in total", 2, _positive_int)
+    answers["use_cpu"] = _ask(stdin, stdout, "Run on the CPU only (yes/no)", False, _yes_no)
+    answers["mixed_precision"] = _ask(stdin, stdout, f"Mixed precision ({'/'.join(precisions)})", "no", _choice(precisions))
+    answers["gradient_accumulation_steps"] = _ask(stdin, stdout, "Gradient accumulation steps", 1, _positive_int)
+    return answers
+
+
+def _write_validated(host: PluginHost, answers: dict[str, Any], target: pathlib.Path) -> None:
+    """Validate the answers as a config file would be, then write it atomically."""
+    text = yaml.safe_dump(answers, sort_keys=False)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".default_config.", suffix=".yaml", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        resolve_config(host, config_file=tmp, default_file=False, environ={}, flags={}, warn=False)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+__all__ = ["run_config"]

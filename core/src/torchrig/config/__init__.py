@@ -1,0 +1,9 @@
+"""Configuration: one typed config from five sources, with provenance.
+
+* :mod:`torchrig.config.loader` — YAML/JSON files with line marks, duplicate keys rejected;
+* :mod:`torchrig.config.schema` — declaring options (:func:`option`) and coercing values;
+* :mod:`torchrig.config.options` — the core's options (Accelerate's class names);
+* :mod:`torchrig.config.resolve` — precedence, provenance, validation (:func:`resolve_config`);
+* :mod:`torchrig.config.flags` — command-line flags for configuration keys;
+* :mod:`torchrig.config.compat` — what happens to each key of Accelerate's config files.
+"""

@@ -1,0 +1,180 @@
+"""The core's configuration options, with Accelerate's class names and parameters.
+
+``CoreOptions`` holds the top-level keys of a config file (Accelerate's ``default_config.yaml``
+keys among them); the other classes are sections (``dataloader_config:``, ``project_config:``...)
+and the objects users pass to ``Accelerator(...)``. Plugin-owned classes
+(``FullyShardedDataParallelPlugin``, ``DeepSpeedPlugin``, ``DistributedDataParallelKwargs``)
+live in their plugins. Torch-free.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import attrs
+
+from torchrig.config.schema import at_least, between, option
+from torchrig.types import ConfigSection
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+def _seconds(value: Any) -> Any:
+    """Accept a ``datetime.timedelta`` where seconds are expected (Accelerate passes one)."""
+    return value.total_seconds() if isinstance(value, datetime.timedelta) else value
+
+
+def _gpu_ids(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class CoreOptions:
+    """Top-level configuration keys."""
+
+    strategy: str | None = option(
+        None,
+        help="strategy plugin: single, ddp, fsdp, deepspeed, or a third-party one; default: single for one "
+        "process, the installed default data-parallel strategy for several",
+        aliases=("distributed_type",),
+        choices_from_kind="strategy",
+    )
+    mixed_precision: str = option(
+        "no", help="precision plugin: no, fp16, bf16 (or a third-party one)", choices_from_kind="precision",
+        normalize=_lower,
+    )
+    use_cpu: bool = option(False, help="run on the CPU even when an accelerator is available", aliases=("cpu",))
+    device: str | None = option(None, help="force a device plugin (cuda, mps, cpu or third-party) instead of auto-detection",
+                                choices_from_kind="device")
+    cluster: str | None = option(None, help="force a cluster-environment plugin instead of auto-detection",
+                                 choices_from_kind="cluster")
+    num_processes: int | None = option(None, help="total number of processes (all machines)", validator=at_least(1))
+    num_machines: int = option(1, help="number of machines", validator=at_least(1))
+    machine_rank: int = option(0, help="rank of this machine, 0..num_machines-1", validator=at_least(0))
+    main_process_ip: str | None = option(None, help="address of the machine with rank 0")
+    main_process_port: int | None = option(None, help="port of the rendezvous on the main machine (0: a free port)",
+                                           validator=between(0, 65535))
+    rdzv_backend: str | None = option(None, help="rendezvous backend", choices=("static", "c10d", "etcd", "etcd-v2"),
+                                      normalize=_lower)
+    rdzv_endpoint: str | None = option(None, help="rendezvous endpoint HOST:PORT (default: main_process_ip:main_process_port)")
+    gpu_ids: str | None = option(None, help="GPUs to use: 'all' or a comma-separated list of indices", normalize=_gpu_ids)
+    gradient_accumulation_steps: int = option(1, help="micro-steps per optimizer step", validator=at_least(1))
+    log_with: list[str] = option(factory=list, help="tracker plugins to log to ('all': every installed one)",
+                                 choices_from_kind="tracker")
+    disable_plugins: list[str] = option(factory=list, help="plugins to disable: 'kind:name' or a bare name")
+    strict_config: bool = option(False, help="make overriding an explicit Accelerator(...) argument an error, not a warning")
+
+
+@attrs.frozen(kw_only=True)
+class DataLoaderConfiguration:
+    """How prepared DataLoaders split and place data (Accelerate's class and parameters)."""
+
+    split_batches: bool = option(False, help="split each batch across processes instead of giving each process its own")
+    dispatch_batches: bool | None = option(None, help="main process iterates and sends each process its share")
+    even_batches: bool = option(True, help="pad the last batches so every process gets the same number")
+    use_seedable_sampler: bool = option(False, help="replace the sampler with a seedable one for exact reproducibility")
+    use_configured_sampler: bool = option(False, help="keep the DataLoader's own sampler and shard its batches")
+    data_seed: int | None = option(None, help="seed of the seedable sampler's generator")
+    non_blocking: bool = option(False, help="copy batches to the device with non_blocking=True")
+    use_stateful_dataloader: bool = option(False, help="make prepared DataLoaders resumable mid-epoch (StatefulDataLoader protocol)")
+    gradient_accumulation_kwargs: dict[str, Any] | None = option(
+        None, help="GradientAccumulationPlugin parameters to apply with this dataloader configuration"
+    )
+
+
+@attrs.frozen(kw_only=True)
+class ProjectConfiguration:
+    """Where outputs go and how checkpoints are named and rotated."""
+
+    project_dir: str | None = option(None, help="root directory for outputs", aliases=("project_directory",))
+    logging_dir: str | None = option(None, help="directory for tracker logs (relative to project_dir)")
+    automatic_checkpoint_naming: bool = option(False, help="save to project_dir/checkpoints/checkpoint_<iteration>")
+    total_limit: int | None = option(None, help="keep at most this many checkpoints", validator=at_least(1))
+    iteration: int = option(0, help="number of the next automatic checkpoint", validator=at_least(0))
+    iteration_checkpoints: bool = option(False, help="accepted for compatibility with older Accelerate configurations")
+    save_on_each_node: bool = option(False, help="write checkpoints on every node, not only the main one")
+
+
+@attrs.frozen(kw_only=True)
+class GradientAccumulationPlugin:
+    num_steps: int | None = option(None, help="micro-steps per optimizer step", validator=at_least(1))
+    adjust_scheduler: bool = option(True, help="step schedulers once per optimizer step")
+    sync_with_dataloader: bool = option(True, help="force a gradient sync at the end of the dataloader")
+    sync_each_batch: bool = option(False, help="sync gradients on every micro-step (saves memory with FSDP)")
+
+
+@attrs.frozen(kw_only=True)
+class AutocastKwargs:
+    enabled: bool = option(True, help="enable autocast")
+    cache_enabled: bool | None = option(None, help="autocast weight cache")
+
+
+@attrs.frozen(kw_only=True)
+class GradScalerKwargs:
+    init_scale: float = option(65536.0, help="initial loss scale", validator=at_least(0))
+    growth_factor: float = option(2.0, help="scale multiplier after growth_interval steps without overflow")
+    backoff_factor: float = option(0.5, help="scale multiplier after an overflow")
+    growth_interval: int = option(2000, help="steps without overflow before growing the scale", validator=at_least(1))
+    enabled: bool = option(True, help="enable loss scaling")
+
+
+@attrs.frozen(kw_only=True)
+class InitProcessGroupKwargs:
+    init_method: str | None = option(None, help="torch.distributed init_method (default: env://)")
+    timeout: float = option(1800.0, help="collective timeout in seconds, applied to every process group",
+                            converter=_seconds, validator=at_least(1))
+    backend: str | None = option(None, help="process-group backend (default: the device's: nccl or gloo)")
+
+
+def _dynamo_backend(value: Any) -> Any:
+    if isinstance(value, str):
+        value = value.lower()
+        return "no" if value in ("no", "none") else value
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class TorchDynamoPlugin:
+    """``torch.compile`` applied after the strategy wrapped the model."""
+
+    backend: str = option("inductor", help="torch.compile backend ('no' disables compilation)",
+                          aliases=("dynamo_backend",), normalize=_dynamo_backend)
+    mode: str | None = option(None, help="compile mode: default, reduce-overhead, max-autotune", aliases=("dynamo_mode",))
+    fullgraph: bool = option(False, help="require a single graph", aliases=("dynamo_use_fullgraph",))
+    dynamic: bool | None = option(None, help="dynamic shapes", aliases=("dynamo_use_dynamic",))
+    options: dict[str, Any] | None = option(None, help="backend options")
+    disable: bool = option(False, help="disable compilation")
+    use_regional_compilation: bool = option(False, help="compile each repeated block instead of the whole model",
+                                            aliases=("dynamo_use_regional_compilation",))
+
+
+#: The core's own sections, declared through ``torchrig_config_sections`` like any plugin's.
+CORE_SECTIONS: tuple[ConfigSection, ...] = (
+    ConfigSection("dataloader_config", DataLoaderConfiguration, help="DataLoaderConfiguration"),
+    ConfigSection("project_config", ProjectConfiguration, help="ProjectConfiguration"),
+    ConfigSection("gradient_accumulation_plugin", GradientAccumulationPlugin, help="GradientAccumulationPlugin"),
+    ConfigSection("autocast_kwargs", AutocastKwargs, help="AutocastKwargs"),
+    ConfigSection("grad_scaler_kwargs", GradScalerKwargs, help="GradScalerKwargs"),
+    ConfigSection("init_process_group_kwargs", InitProcessGroupKwargs, help="InitProcessGroupKwargs"),
+    ConfigSection("dynamo_config", TorchDynamoPlugin, help="TorchDynamoPlugin (Accelerate's dynamo_config)",
+                  default=TorchDynamoPlugin(backend="no")),
+)
+
+__all__ = [
+    "CORE_SECTIONS",
+    "AutocastKwargs",
+    "CoreOptions",
+    "DataLoaderConfiguration",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "ProjectConfiguration",
+    "TorchDynamoPlugin",
+]
