@@ -29,6 +29,8 @@ class FlagSpec:
     const: Any = None
     help: str = ""
     owner: str = "the core"
+    choices: tuple[str, ...] = ()
+    metavar: str | None = None
 
 
 def _type_of(spec: FieldSpec) -> str:
@@ -48,7 +50,7 @@ def collect_flags(schema: Schema) -> list[FlagSpec]:
             continue
         spellings = [spec.info.flag or f"--{name}", *(f"--{alias}" for alias in spec.info.aliases)]
         for flag in spellings:
-            flags.append(FlagSpec(flag, name, _type_of(spec), help=spec.info.help))
+            flags.append(FlagSpec(flag, name, _type_of(spec), help=spec.info.help, choices=spec.info.choices))
     for section, specs in schema.section_fields.items():
         for name, spec in specs.items():
             if spec.info.flag:
@@ -56,7 +58,7 @@ def collect_flags(schema: Schema) -> list[FlagSpec]:
     for owner, call in schema.host.iter_impls("torchrig_cli_flags"):
         for cli_flag in call() or ():
             flags.append(FlagSpec(cli_flag.flag, cli_flag.key, cli_flag.type, cli_flag.const, cli_flag.help,
-                                  owner.removesuffix("#manifest")))
+                                  owner.removesuffix("#manifest"), tuple(cli_flag.choices), cli_flag.metavar))
     seen: dict[str, FlagSpec] = {}
     clashes = []
     for spec in flags:
@@ -75,13 +77,14 @@ def add_config_flags(parser: argparse.ArgumentParser, flags: Iterable[FlagSpec],
     for index, spec in enumerate(flags):
         dest = f"_config_flag_{index}"
         by_dest[dest] = spec
-        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": spec.help}
+        help_text = f"{spec.help} (one of: {', '.join(spec.choices)})" if spec.choices else spec.help
+        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_text}
         if spec.type == "const":
             kwargs.update(action="store_const", const=spec.const)
         elif spec.type == "bool":
             kwargs.update(nargs="?", const="true", metavar="BOOL")
         else:
-            kwargs.update(metavar=spec.key.rpartition(".")[2].upper())
+            kwargs.update(metavar=spec.metavar or spec.key.rpartition(".")[2].upper())
         group.add_argument(spec.flag, **kwargs)
     return by_dest
 

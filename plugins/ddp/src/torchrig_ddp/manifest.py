@@ -1,0 +1,102 @@
+"""Manifest of the ``ddp`` strategy: what torchrig knows about DDP without importing torch.
+
+Loaded for every run, ``torchrig launch --help``, ``torchrig config`` and ``torchrig plugins``;
+must stay torch-free at import. The validation hook imports torch only when a check needs it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from torchrig.config.schema import suggest
+from torchrig.hookspecs import HOOK_API_VERSION
+from torchrig.manifest import PluginManifest
+from torchrig.markers import hookimpl
+from torchrig.types import CliFlag, ConfigProblem, ConfigSection
+from torchrig_ddp.options import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS, DistributedDataParallelKwargs
+
+SECTION = "ddp_config"
+
+
+class DDPManifest(PluginManifest):
+    api_version = HOOK_API_VERSION
+    summary = "DistributedDataParallel: every rank holds the full model, gradients are all-reduced"
+    install_hint = "torchrig"
+    #: Accelerate's data-parallel ``distributed_type`` values: DDP serves them on any device.
+    aliases = ("MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU")
+    default_for_distributed = True
+    exports = {"DistributedDataParallelKwargs": "torchrig_ddp.options:DistributedDataParallelKwargs"}
+    config_section = ConfigSection(
+        SECTION, DistributedDataParallelKwargs, aliases=("ddp_kwargs",),
+        help="DistributedDataParallelKwargs: DistributedDataParallel arguments and gradient communication hook",
+    )
+    cli_flags = (
+        CliFlag("--ddp_bucket_cap_mb", f"{SECTION}.bucket_cap_mb", "DDP gradient bucket size in MiB", type="int"),
+        CliFlag("--ddp_find_unused_parameters", f"{SECTION}.find_unused_parameters",
+                "let DDP find parameters that got no gradient", type="bool"),
+        CliFlag("--ddp_static_graph", f"{SECTION}.static_graph", "the model's graph is the same every iteration",
+                type="bool"),
+        CliFlag("--ddp_gradient_as_bucket_view", f"{SECTION}.gradient_as_bucket_view",
+                "gradients are views into the all-reduce buckets", type="bool"),
+        CliFlag("--ddp_broadcast_buffers", f"{SECTION}.broadcast_buffers",
+                "broadcast buffers from rank 0 at every forward", type="bool"),
+        CliFlag("--ddp_comm_hook", f"{SECTION}.comm_hook", "gradient communication hook", choices=COMM_HOOKS),
+        CliFlag("--ddp_comm_wrapper", f"{SECTION}.comm_wrapper", "compression wrapper around a PowerSGD hook",
+                choices=COMM_WRAPPERS),
+    )
+
+    @hookimpl
+    def torchrig_validate_config(self, config: Mapping[str, Any]) -> list[ConfigProblem]:
+        """Combinations DDP accepts at construction but fails on at the first backward (or ignores)."""
+        return ddp_problems(config)
+
+
+def ddp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
+    problems: list[ConfigProblem] = []
+    hook = config.get(f"{SECTION}.comm_hook", "no")
+    wrapper = config.get(f"{SECTION}.comm_wrapper", "no")
+    state = config.get(f"{SECTION}.comm_state_option")
+    if wrapper != "no" and hook in ("fp16", "bf16"):
+        problems.append(ConfigProblem(f"{SECTION}.comm_wrapper", (
+            f"{wrapper!r} cannot wrap comm_hook {hook!r}: that hook already compresses gradients to {hook}, and "
+            f"torch's {wrapper}_compress_wrapper only wraps PowerSGD hooks; use comm_hook: {hook} alone, or "
+            f"comm_hook: power_sgd with comm_wrapper: {wrapper}")))
+    elif wrapper != "no" and hook not in POWER_SGD_HOOKS:
+        problems.append(ConfigProblem(f"{SECTION}.comm_wrapper", (
+            f"{wrapper!r} needs a PowerSGD hook to wrap, but comm_hook is {hook!r}; set comm_hook: power_sgd "
+            "(or batched_power_sgd), or comm_wrapper: no")))
+    if state:
+        if hook not in POWER_SGD_HOOKS:
+            problems.append(ConfigProblem(f"{SECTION}.comm_state_option", (
+                f"configures the PowerSGD state, but comm_hook is {hook!r}; it is used only with comm_hook "
+                "power_sgd or batched_power_sgd")))
+        else:
+            problems.extend(_power_sgd_state_problems(state))
+    return problems
+
+
+def _power_sgd_state_problems(state: Mapping[str, Any]) -> list[ConfigProblem]:
+    """Unknown ``PowerSGDState`` arguments, checked against torch's own signature (imported only here,
+    only when a PowerSGD state is configured). ``process_group`` is the runtime's to pass."""
+    key = f"{SECTION}.comm_state_option"
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+        accepted = [name for name in inspect.signature(PowerSGDState.__init__).parameters
+                    if name not in ("self", "process_group")]
+    except Exception:  # torch without distributed support: the runtime will say so
+        return []
+    problems = []
+    for name in state:
+        if name == "process_group":
+            problems.append(ConfigProblem(key, "process_group is set by torchrig (the job's process group); remove it"))
+        elif name not in accepted:
+            hint = suggest(str(name), accepted)
+            problems.append(ConfigProblem(key, f"unknown PowerSGDState argument {name!r}{hint}; "
+                                               f"accepted: {', '.join(accepted)}"))
+    return problems
+
+
+__all__ = ["DDPManifest", "ddp_problems"]

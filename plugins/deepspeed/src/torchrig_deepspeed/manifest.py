@@ -1,0 +1,63 @@
+"""Manifest of the ``deepspeed`` strategy: options, flags and checks, importable without torch or DeepSpeed.
+
+The validation hook (run only when ``deepspeed`` is the selected strategy) imports DeepSpeed lazily
+to derive the keys it reads; see :mod:`torchrig_deepspeed.config_checks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torchrig.hookspecs import HOOK_API_VERSION
+from torchrig.manifest import PluginManifest
+from torchrig.markers import hookimpl
+from torchrig.types import CliFlag, ConfigProblem, ConfigSection
+from torchrig_deepspeed.options import OFFLOAD_DEVICES, DeepSpeedPlugin
+
+SECTION = "deepspeed_config"
+
+
+class DeepSpeedManifest(PluginManifest):
+    api_version = HOOK_API_VERSION
+    summary = "DeepSpeed ZeRO stages 0-3, with CPU/NVMe offload"
+    install_hint = "torchrig[deepspeed]"
+    requires = ("deepspeed",)
+    aliases = ("DEEPSPEED",)
+    exports = {"DeepSpeedPlugin": "torchrig_deepspeed.options:DeepSpeedPlugin"}
+    config_section = ConfigSection(
+        SECTION, DeepSpeedPlugin,
+        help="DeepSpeedPlugin: ZeRO stage, offload, clipping and the DeepSpeed JSON (deepspeed_config_file)",
+    )
+    cli_flags = (
+        CliFlag("--use_deepspeed", "strategy", "use the deepspeed strategy", type="const", const="deepspeed"),
+        CliFlag("--zero_stage", f"{SECTION}.zero_stage", "DeepSpeed ZeRO stage (0-3)", type="int"),
+        CliFlag("--deepspeed_config_file", f"{SECTION}.hf_ds_config", "DeepSpeed JSON config file", metavar="FILE"),
+        CliFlag("--offload_optimizer_device", f"{SECTION}.offload_optimizer_device", "none, cpu or nvme",
+                choices=OFFLOAD_DEVICES),
+        CliFlag("--offload_param_device", f"{SECTION}.offload_param_device", "none, cpu or nvme (ZeRO-3)",
+                choices=OFFLOAD_DEVICES),
+        CliFlag("--offload_optimizer_nvme_path", f"{SECTION}.offload_optimizer_nvme_path",
+                "directory for nvme optimizer offload"),
+        CliFlag("--offload_param_nvme_path", f"{SECTION}.offload_param_nvme_path",
+                "directory for nvme parameter offload"),
+        CliFlag("--gradient_clipping", f"{SECTION}.gradient_clipping", "clip gradients to this global norm",
+                type="float"),
+        CliFlag("--zero3_init_flag", f"{SECTION}.zero3_init_flag", "build the model under deepspeed.zero.Init (ZeRO-3)",
+                type="bool"),
+        CliFlag("--zero3_save_16bit_model", f"{SECTION}.zero3_save_16bit_model", "ZeRO-3: save a gathered 16-bit model",
+                type="bool"),
+        CliFlag("--deepspeed_moe_layer_cls_names", f"{SECTION}.deepspeed_moe_layer_cls_names",
+                "MoE layer class names (comma-separated)", type="list"),
+    )
+
+    @hookimpl
+    def torchrig_validate_config(self, config: Mapping[str, Any]) -> list[ConfigProblem]:
+        """The DeepSpeed JSON against DeepSpeed's own key set and parser, and against torchrig's
+        configuration (precision, batch arithmetic, stage, offload), all problems at once."""
+        from torchrig_deepspeed.config_checks import deepspeed_problems
+
+        return deepspeed_problems(config)
+
+
+__all__ = ["DeepSpeedManifest"]

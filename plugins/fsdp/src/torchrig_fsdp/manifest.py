@@ -1,0 +1,132 @@
+"""Manifest of the ``fsdp`` strategy (FSDP2, ``fully_shard``): its options, flags and checks, torch-free.
+
+Decisions the checks encode (see also ``torchrig_fsdp.options``):
+
+* ``cpu_offload`` without an accelerator (or with ``use_cpu``) is an error: FSDP2's
+  ``CPUOffloadPolicy`` moves shards between accelerator memory and pinned CPU memory, and pinning
+  raises without an accelerator; on the CPU the parameters are in CPU memory already.
+* ``HYBRID_SHARD``/``_HYBRID_SHARD_ZERO2`` build a (num_machines, processes per machine) mesh:
+  ``num_processes`` must divide evenly by ``num_machines``. On one machine the mesh is (1, N), which
+  is ``FULL_SHARD``/``SHARD_GRAD_OP``: allowed, so the same file works on one machine and on several.
+* ``reshard_after_forward``, when set, wins over what ``sharding_strategy`` implies (it is FSDP2's
+  own knob; Accelerate's FSDP2 path does the same); ``sharding_strategy`` still picks the mesh.
+* ``SIZE_BASED_WRAP`` without ``min_num_params`` uses 100_000_000 (torch's default);
+  ``TRANSFORMER_BASED_WRAP`` without classes is fine here: the runtime uses the model's
+  ``_no_split_modules`` and shards only the root when the model declares none.
+* ``mixed_precision: fp16`` is allowed: the runtime scales the loss with a sharded grad scaler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torchrig.hookspecs import HOOK_API_VERSION
+from torchrig.manifest import PluginManifest
+from torchrig.markers import hookimpl
+from torchrig.types import CliFlag, ConfigProblem, ConfigSection
+from torchrig_fsdp.options import (
+    AUTO_WRAP_POLICIES,
+    BACKWARD_PREFETCH,
+    SHARDING_STRATEGIES,
+    STATE_DICT_TYPES,
+    FullyShardedDataParallelPlugin,
+)
+
+SECTION = "fsdp_config"
+HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+class FSDPManifest(PluginManifest):
+    api_version = HOOK_API_VERSION
+    summary = "FSDP2 (fully_shard): parameters, gradients and optimizer state sharded across ranks"
+    install_hint = "torchrig[fsdp]"
+    requires = ()  # torch is a dependency of torchrig itself
+    aliases = ("FSDP",)
+    exports = {"FullyShardedDataParallelPlugin": "torchrig_fsdp.options:FullyShardedDataParallelPlugin"}
+    config_section = ConfigSection(
+        SECTION, FullyShardedDataParallelPlugin,
+        help="FullyShardedDataParallelPlugin (FSDP2); Accelerate's fsdp_* keys are accepted",
+    )
+    cli_flags = (
+        CliFlag("--use_fsdp", "strategy", "use the fsdp strategy (FSDP2)", type="const", const="fsdp"),
+        CliFlag("--fsdp_sharding_strategy", f"{SECTION}.sharding_strategy", "FSDP sharding strategy",
+                choices=SHARDING_STRATEGIES),
+        CliFlag("--fsdp_auto_wrap_policy", f"{SECTION}.auto_wrap_policy", "which submodules are sharded separately",
+                choices=AUTO_WRAP_POLICIES),
+        CliFlag("--fsdp_transformer_layer_cls_to_wrap", f"{SECTION}.transformer_layer_cls_to_wrap",
+                "comma-separated class names for TRANSFORMER_BASED_WRAP", type="list"),
+        CliFlag("--fsdp_min_num_params", f"{SECTION}.min_num_params", "SIZE_BASED_WRAP threshold", type="int"),
+        CliFlag("--fsdp_offload_params", f"{SECTION}.cpu_offload", "offload shards to CPU memory", type="bool"),
+        CliFlag("--fsdp_state_dict_type", f"{SECTION}.state_dict_type", "checkpoint format",
+                choices=STATE_DICT_TYPES),
+        CliFlag("--fsdp_backward_prefetch", f"{SECTION}.backward_prefetch", "backward prefetch",
+                choices=BACKWARD_PREFETCH),
+        CliFlag("--fsdp_forward_prefetch", f"{SECTION}.forward_prefetch", "prefetch in forward", type="bool"),
+        CliFlag("--fsdp_sync_module_states", f"{SECTION}.sync_module_states", "broadcast rank 0's weights",
+                type="bool"),
+        CliFlag("--fsdp_use_orig_params", f"{SECTION}.use_orig_params", "FSDP1-only, no effect", type="bool"),
+        CliFlag("--fsdp_cpu_ram_efficient_loading", f"{SECTION}.cpu_ram_efficient_loading",
+                "only rank 0 loads weights into CPU memory", type="bool"),
+        CliFlag("--fsdp_activation_checkpointing", f"{SECTION}.activation_checkpointing",
+                "recompute activations of wrapped blocks", type="bool"),
+        CliFlag("--fsdp_reshard_after_forward", f"{SECTION}.reshard_after_forward",
+                "free gathered parameters after forward", type="bool"),
+        CliFlag("--fsdp_version", f"{SECTION}.fsdp_version", "2 (FSDP2)", type="int"),
+    )
+
+    @hookimpl
+    def torchrig_validate_config(self, config: Mapping[str, Any]) -> list[ConfigProblem]:
+        """What FSDP2 would reject at ``fully_shard`` time, or silently do differently, found before launch."""
+        return fsdp_problems(config)
+
+
+def fsdp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
+    problems: list[ConfigProblem] = []
+    get = config.get
+    if get(f"{SECTION}.cpu_offload"):
+        problem = _offload_problem(config)
+        if problem:
+            problems.append(ConfigProblem(f"{SECTION}.cpu_offload", problem))
+    strategy = get(f"{SECTION}.sharding_strategy")
+    machines, processes = get("num_machines") or 1, get("num_processes")
+    if strategy in HYBRID and processes and machines > 1 and processes % machines:
+        problems.append(ConfigProblem(f"{SECTION}.sharding_strategy", (
+            f"{strategy} shards within each machine and replicates across machines, so num_processes ({processes}) "
+            f"must be a multiple of num_machines ({machines})")))
+    if get(f"{SECTION}.cpu_ram_efficient_loading") and not get(f"{SECTION}.sync_module_states", True):
+        problems.append(ConfigProblem(f"{SECTION}.cpu_ram_efficient_loading", (
+            "needs sync_module_states: true: only rank 0 loads the weights, the other ranks receive them by the "
+            "broadcast that sync_module_states performs")))
+    if get(f"{SECTION}.activation_checkpointing") and get(f"{SECTION}.auto_wrap_policy") == "NO_WRAP":
+        problems.append(ConfigProblem(f"{SECTION}.activation_checkpointing", (
+            "checkpoints each wrapped block, but auto_wrap_policy is NO_WRAP (no blocks); use TRANSFORMER_BASED_WRAP "
+            "or SIZE_BASED_WRAP")))
+    return problems
+
+
+def _offload_problem(config: Mapping[str, Any]) -> str | None:
+    fix = ("set cpu_offload: false (Accelerate: fsdp_offload_params: false); on the CPU the parameters are in CPU "
+           "memory already")
+    if config.get("use_cpu") or config.get("device") == "cpu":
+        return f"offloads from an accelerator to CPU memory, but this run uses the CPU (use_cpu/device); {fix}"
+    if not _accelerator_available():
+        return ("needs an accelerator: FSDP2's CPUOffloadPolicy moves shards between accelerator memory and pinned "
+                f"CPU memory, and torch finds no accelerator on this machine; {fix}")
+    return None
+
+
+def _accelerator_available() -> bool:
+    """Imports torch: called only when ``cpu_offload`` is on."""
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        if not accelerator.is_available():
+            return False
+        device = accelerator.current_accelerator()
+        return device is not None and device.type != "mps"  # FSDP does not run on MPS
+    return torch.cuda.is_available()
+
+
+__all__ = ["FSDPManifest", "fsdp_problems"]
