@@ -15,11 +15,21 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import contextlib
+import functools
+import gc
+import sys
+from collections.abc import Callable, Iterator
+
 from torchrig.config.resolve import Layer, ResolvedConfig, Schema, resolve_config
 from torchrig.errors import ConfigError
+from torchrig.gradient_state import gradient_state_of
+from torchrig.optimizer import AcceleratedOptimizer
 from torchrig.plugin_manager import PluginHost
 from torchrig.run import RunContext
-from torchrig.runtime import detect_cluster, start_run
+from torchrig.runtime import build_step_plan, claim_world, detect_cluster, start_run
+from torchrig.step_plan import StepPlan
+from torchrig.types import PreparedModel
 
 #: Accelerate arguments torchrig does not support, and why (passing one is an error, never ignored).
 _UNSUPPORTED_ARGUMENTS = {
@@ -42,14 +52,14 @@ def accelerator_arguments(schema: Schema, **kwargs: Any) -> dict[str, Any]:
     arguments: dict[str, Any] = {}
     sections_by_type = {section.options: key for key, section in schema.sections.items()}
 
-    def put_section_object(obj: Any, where: str) -> None:
+    def put_section_object(obj: Any, where: str, selects_strategy: bool = False) -> None:
         key = sections_by_type.get(type(obj))
         if key is None:
             problems.append(f"{where}: {type(obj).__name__} is not an options class of torchrig or an installed plugin")
             return
         arguments[key] = obj
         owner = schema.section_owner.get(key, "")
-        if owner.startswith("strategy:"):
+        if selects_strategy and owner.startswith("strategy:"):  # fsdp_plugin=... selects FSDP, as in Accelerate
             arguments.setdefault("strategy", owner.partition(":")[2])
 
     for name, reason in _UNSUPPORTED_ARGUMENTS.items():
@@ -72,7 +82,7 @@ def accelerator_arguments(schema: Schema, **kwargs: Any) -> dict[str, Any]:
                  "deepspeed_plugin", "fsdp_plugin"):
         obj = kwargs.pop(name, None)
         if obj is not None:
-            put_section_object(obj, f"Accelerator({name}=...)")
+            put_section_object(obj, f"Accelerator({name}=...)", selects_strategy=name in ("deepspeed_plugin", "fsdp_plugin"))
     for index, handler in enumerate(kwargs.pop("kwargs_handlers", None) or ()):
         put_section_object(handler, f"Accelerator(kwargs_handlers[{index}])")
     project_dir = kwargs.pop("project_dir", None)
@@ -175,6 +185,21 @@ class Accelerator:
             self.config = resolve_config(self._host, arguments=arguments, config_file=config_file,
                                          world_size=cluster.world_size, warn=False)
         self._run: RunContext = start_run(self._host, self.config, cluster=cluster)
+        claim_world(self._run)
+        plugin = self.config.section("gradient_accumulation_plugin")
+        self.gradient_state = gradient_state_of(self._run)
+        self.gradient_state.num_steps = self.gradient_accumulation_steps
+        self.gradient_state.sync_with_dataloader = plugin.sync_with_dataloader
+        self.gradient_state.sync_each_batch = plugin.sync_each_batch
+        self.gradient_state.adjust_scheduler = plugin.adjust_scheduler
+        self._plan: StepPlan | None = None
+        self._plan_generation = -1
+        self._models: list[PreparedModel] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[Any] = []
+        self._dataloaders: list[Any] = []
+        self._accumulate = _AccumulateContext(self)
+        self.flag_tensor: Any = None
 
     # -- where this process sits ----------------------------------------------------------
 
@@ -239,6 +264,477 @@ class Accelerator:
         if logging_dir is None:
             return project_dir
         return os.path.join(project_dir, logging_dir) if project_dir else logging_dir
+
+    # -- preparation ----------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: Sequence[bool] | None = None) -> Any:
+        """Prepare models, optimizers, dataloaders and schedulers, in any order and number.
+
+        Each model is prepared together with the optimizers over its parameters (and the
+        schedulers of those optimizers) by the strategy; dataloaders are sharded and placed on
+        the device. Returns the objects in the order given (a single object unwrapped).
+        """
+        import torch
+
+        if device_placement is not None and len(device_placement) != len(args):
+            raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
+        placement = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
+        result: list[Any] = list(args)
+        models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
+        optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
+        schedulers = [i for i, a in enumerate(args) if _is_scheduler(a)]
+        loaders = [i for i, a in enumerate(args) if isinstance(a, torch.utils.data.DataLoader)]
+        plan = self._step_plan()
+        caps = self._run.capabilities
+        assert caps is not None
+
+        claimed: set[int] = set()
+        for m in models:
+            model = args[m]
+            params = {id(p) for p in model.parameters()}
+            own = [o for o in optimizers if o not in claimed and _optimizer_params(args[o]) & params]
+            for o in own:
+                if not _optimizer_params(args[o]) <= params:
+                    raise ValueError(f"prepare(): optimizer #{o} holds parameters of more than one model; give each "
+                                     "model its own optimizer")
+            claimed.update(own)
+            own_schedulers = [s for s in schedulers if any(args[s].optimizer is args[o] for o in own)]
+            prepared = self._host.hook.torchrig_prepare_model(
+                run=self._run, model=model, optimizers=[args[o] for o in own],
+                schedulers=[args[s] for s in own_schedulers],
+            )
+            prepared.model = self._apply_precision_and_compile(prepared.model, placement[m])
+            self._models.append(prepared)
+            result[m] = prepared.model
+            for o, optimizer in zip(own, prepared.optimizers):
+                result[o] = self._wrap_optimizer(optimizer, plan)
+            for s, scheduler in zip(own_schedulers, prepared.schedulers):
+                result[s] = scheduler
+        for o in optimizers:
+            if o not in claimed:
+                self._check_late_optimizer(args[o])
+                result[o] = self._wrap_optimizer(args[o], plan)
+        for s in schedulers:
+            optimizer = next((w for w in self._optimizers if w.optimizer is args[s].optimizer), None)
+            if optimizer is None:
+                raise ValueError("prepare(): a scheduler's optimizer must be prepared with it or before it")
+            wrapped = self._host.hook.torchrig_prepare_scheduler(run=self._run, scheduler=result[s], optimizers=[optimizer])
+            self._schedulers.append(wrapped)
+            result[s] = wrapped
+        for d in loaders:
+            loader = self._host.hook.torchrig_prepare_dataloader(run=self._run, dataloader=args[d])
+            self._dataloaders.append(loader)
+            result[d] = loader
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def prepare_model(self, model: Any, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
+        return self.prepare(model, device_placement=None if device_placement is None else [device_placement])
+
+    def prepare_optimizer(self, optimizer: Any, device_placement: bool | None = None) -> Any:
+        return self.prepare(optimizer)
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        return self.prepare(scheduler)
+
+    def prepare_data_loader(self, data_loader: Any, device_placement: bool | None = None) -> Any:
+        return self.prepare(data_loader, device_placement=None if device_placement is None else [device_placement])
+
+    def _step_plan(self) -> StepPlan:
+        if self._plan is None or self._plan_generation != self._host.generation:
+            self._plan = build_step_plan(self._host, self._run)
+            self._plan_generation = self._host.generation
+            for optimizer in self._optimizers:
+                optimizer.plan = self._plan
+        return self._plan
+
+    @property
+    def step_plan(self) -> StepPlan:
+        """The callables the training step runs, and which plugin owns each (``plan.owners``)."""
+        return self._step_plan()
+
+    def _wrap_optimizer(self, optimizer: Any, plan: StepPlan) -> AcceleratedOptimizer:
+        assert self._run.capabilities is not None
+        wrapped = AcceleratedOptimizer(optimizer, plan, self.gradient_state,
+                                       owns_accumulation=self._run.capabilities.owns_accumulation)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def _check_late_optimizer(self, optimizer: Any) -> None:
+        """An optimizer prepared after its model must still hold the model's live parameters
+        (a sharding strategy replaces them: then model and optimizer go in one prepare call)."""
+        held = _optimizer_params(optimizer)
+        for prepared in self._models:
+            live = {id(p) for p in prepared.model.parameters()} | {id(p) for p in prepared.unwrapped.parameters()}
+            if held & live and not held <= live:
+                raise ValueError("prepare(): this optimizer was built over parameters its model no longer uses (the "
+                                 "strategy replaced them); prepare the model and its optimizer in one call")
+
+    def _apply_precision_and_compile(self, model: Any, place: bool) -> Any:
+        """Autocast the forward (when the precision plugin installed one) and ``torch.compile``
+        after the strategy wrapped the model."""
+        plan = self._step_plan()
+        if plan.owners["autocast"] != "core":
+            forward = model.forward
+            autocast = plan.autocast
+
+            @functools.wraps(forward)
+            def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+                with autocast():
+                    return _outputs_to_fp32(forward(*args, **kwargs))
+
+            model._torchrig_original_forward = forward
+            model.forward = autocast_forward
+        dynamo = self.config.section("dynamo_config")
+        if dynamo.backend != "no" and not dynamo.disable:
+            model = _compile(model, dynamo)
+        return model
+
+    # -- the training step ------------------------------------------------------------------
+
+    def backward(self, loss: Any, **kwargs: Any) -> None:
+        """Backward through the step plan. With gradient accumulation the loss is divided by the
+        number of accumulation steps here, exactly once (don't divide it yourself); a strategy
+        that owns accumulation (DeepSpeed) scales it itself."""
+        plan = self._plan or self._step_plan()
+        caps = self._run.capabilities
+        steps = self.gradient_state.num_steps
+        if steps > 1 and not (caps is not None and caps.owns_accumulation):
+            loss = loss / steps
+        plan.backward(loss, **kwargs)
+
+    def accumulate(self, *models: Any) -> Any:
+        """Context for one micro-step: decides whether this step syncs gradients (every
+        ``gradient_accumulation_steps`` steps, and at the end of the dataloader) and suppresses
+        gradient communication on the others (``no_sync``)."""
+        return self._accumulate.enter(models)
+
+    def no_sync(self, model: Any) -> Any:
+        """Suppress gradient synchronisation for ``model`` (through the strategy's no_sync)."""
+        return (self._plan or self._step_plan()).no_sync(model)
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = value
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (fp16 overflow), on any prepared optimizer."""
+        return any(optimizer.step_was_skipped for optimizer in self._optimizers)
+
+    def autocast(self, autocast_handler: Any = None) -> Any:
+        """The precision plugin's autocast, for computation outside the model's forward."""
+        if autocast_handler is not None:
+            import torch
+
+            if autocast_handler.enabled is False or self.mixed_precision == "no":
+                return contextlib.nullcontext()
+            kwargs = {} if autocast_handler.cache_enabled is None else {"cache_enabled": autocast_handler.cache_enabled}
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.mixed_precision)
+            return torch.autocast(device_type=self.device.type, dtype=dtype, **kwargs)
+        return (self._plan or self._step_plan()).autocast()
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Make gradients true-scale (fp16) before inspecting or clipping them."""
+        plan = self._plan or self._step_plan()
+        targets = [optimizer] if optimizer is not None else self._optimizers
+        for target in targets:
+            plan.unscale_gradients(getattr(target, "optimizer", target))
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+        """Unscale, then clip the gradients' total norm (across shards when the strategy shards)."""
+        self.unscale_gradients()
+        return (self._plan or self._step_plan()).clip_grad_norm(parameters, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        self.unscale_gradients()
+        (self._plan or self._step_plan()).clip_grad_value(parameters, clip_value)
+
+    # -- collectives ------------------------------------------------------------------------
+
+    @property
+    def _collectives(self) -> Any:
+        assert self._run.collectives is not None
+        return self._run.collectives
+
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate every process's tensors along dim 0 (nested structures, uneven sizes)."""
+        return self._collectives.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather for evaluation: on the last batch of a prepared dataloader, drop the samples
+        repeated to make batches even, so metrics count every sample exactly once."""
+        import torch
+
+        from torchrig.collectives import recursively_apply
+
+        tensors_only = not use_gather_object and _all_tensors(input_data)
+        data = self.gather(input_data) if tensors_only else self._collectives.gather_object(input_data)
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            if tensors_only:
+                return recursively_apply(lambda t: t[: state.remainder], data)
+            return data[: state.remainder]
+        del torch
+        return data
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        result = self._collectives.reduce(tensor, reduction)
+        if scale != 1.0:
+            from torchrig.collectives import recursively_apply
+
+            result = recursively_apply(lambda t: t * scale, result)
+        return result
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Pad ``dim`` of every tensor to the largest size over all processes."""
+        from torchrig.collectives import recursively_apply
+
+        def pad(t: Any) -> Any:
+            import torch
+
+            if t.dim() == 0 or dim >= t.dim():
+                return t
+            size = torch.tensor([t.shape[dim]], device=t.device)
+            largest = int(self._collectives.gather(size).max())
+            if largest == t.shape[dim]:
+                return t
+            shape = list(t.shape)
+            shape[dim] = largest - t.shape[dim]
+            filler = t.new_full(shape, pad_index)
+            return torch.cat([filler, t] if pad_first else [t, filler], dim=dim)
+
+        return recursively_apply(pad, tensor)
+
+    def wait_for_everyone(self) -> None:
+        self._collectives.barrier()
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """Yield this process's contiguous share of ``inputs`` (list, tuple, dict of lists, tensor)."""
+        yield _split(inputs, self.process_index, self.num_processes, apply_padding)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The main process runs the block first (e.g. downloads), the others after it."""
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        if not self.is_local_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_local_main_process:
+            self.wait_for_everyone()
+
+    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return self.on_process(function, process_index=0)
+
+    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_local_main_process else None
+
+        return wrapper
+
+    def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return self.on_process(function, process_index=self.num_processes - 1)
+
+    def on_process(self, function: Callable[..., Any] | None = None, process_index: int = 0) -> Any:
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.process_index == process_index else None
+
+        return wrapper
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def set_trigger(self) -> None:
+        """Raise a flag on this process that ``check_trigger`` sees on every process."""
+        import torch
+
+        self.flag_tensor = torch.tensor(1, device=self.device)
+
+    def check_trigger(self) -> bool:
+        """Whether any process called ``set_trigger`` (collective; resets the flag)."""
+        import torch
+
+        flag = self.flag_tensor if self.flag_tensor is not None else torch.tensor(0, device=self.device)
+        if int(self._collectives.reduce(flag, "sum").item()) >= 1:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+            return True
+        return False
+
+    # -- models -------------------------------------------------------------------------------
+
+    def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any:
+        """The user's own module behind a prepared (wrapped, compiled, autocast) model."""
+        for prepared in self._models:
+            if model is prepared.model or model is prepared.unwrapped:
+                unwrapped = prepared.unwrapped
+                break
+        else:
+            unwrapped = getattr(model, "_orig_mod", model)
+        if not keep_fp32_wrapper and hasattr(unwrapped, "_torchrig_original_forward"):
+            unwrapped.forward = unwrapped._torchrig_original_forward
+            del unwrapped._torchrig_original_forward
+        return unwrapped
+
+    def get_state_dict(self, model: Any, unwrap: bool = True) -> dict[str, Any]:
+        """The full state dict (gathered from shards when sharded; on the main process)."""
+        for prepared in self._models:
+            if model is prepared.model or model is prepared.unwrapped:
+                return self._host.hook.torchrig_full_state_dict(run=self._run, prepared=prepared)
+        return self.unwrap_model(model).state_dict()
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget every prepared object, collect garbage and empty the device cache."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        gc.collect()
+        if self._run.device is not None:
+            self._run.device.empty_cache()
+        return [None for _ in objects]
+
+    clear = free_memory
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        from torchrig.data import skip_first_batches
+
+        return skip_first_batches(dataloader, num_batches)
+
+
+class _AccumulateContext:
+    """The ``accumulate()`` context, reused every micro-step (no generator, no allocation on the
+    path where nothing needs suppressing)."""
+
+    __slots__ = ("accelerator", "stack")
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+        self.stack: contextlib.ExitStack | None = None
+
+    def enter(self, models: tuple[Any, ...]) -> _AccumulateContext:
+        state = self.accelerator.gradient_state
+        if state.sync_with_dataloader and state.end_of_dataloader:
+            state.step = 0
+            state.sync_gradients = True
+        else:
+            state.step += 1
+            state.sync_gradients = state.step % state.num_steps == 0
+            if state.sync_gradients:
+                state.step = 0
+        if not state.sync_gradients and not state.sync_each_batch and models:
+            no_sync = self.accelerator.no_sync
+            self.stack = contextlib.ExitStack()
+            for model in models:
+                self.stack.enter_context(no_sync(model))
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stack is not None:
+            stack, self.stack = self.stack, None
+            stack.close()
+
+
+def _optimizer_params(optimizer: Any) -> set[int]:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+def _is_scheduler(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        hasattr(obj, "step") and hasattr(obj, "optimizer") and hasattr(obj, "get_last_lr")
+    )
+
+
+def _all_tensors(data: Any) -> bool:
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, Mapping):
+        return all(_all_tensors(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return all(_all_tensors(v) for v in data)
+    return False
+
+
+def _outputs_to_fp32(output: Any) -> Any:
+    """Cast half-precision floating tensors in a model's output to fp32 (losses and logits
+    computed outside autocast stay in full precision)."""
+    import torch
+
+    from torchrig.collectives import recursively_apply
+
+    def cast(t: Any) -> Any:
+        return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+    if isinstance(output, torch.Tensor):
+        return cast(output)
+    if isinstance(output, Mapping) and hasattr(output, "__setitem__") and type(output) is not dict:
+        for key in list(output.keys()):  # HF ModelOutput: keep its class
+            value = output[key]
+            output[key] = recursively_apply(cast, value)
+        return output
+    return recursively_apply(cast, output)
+
+
+def _compile(model: Any, dynamo: Any) -> Any:
+    """``torch.compile`` the model, or each repeated block of it (regional compilation)."""
+    import torch
+
+    kwargs: dict[str, Any] = {"backend": dynamo.backend, "fullgraph": dynamo.fullgraph, "dynamic": dynamo.dynamic}
+    if dynamo.mode:
+        kwargs["mode"] = dynamo.mode
+    if dynamo.options:
+        kwargs["options"] = dynamo.options
+    if not dynamo.use_regional_compilation:
+        return torch.compile(model, **kwargs)
+    for module in model.modules():
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.ModuleList):
+                for index, block in enumerate(child):
+                    child[index] = torch.compile(block, **kwargs)
+    return model
+
+
+def _split(inputs: Any, rank: int, world: int, pad: bool) -> Any:
+    if isinstance(inputs, Mapping):
+        return {k: _split(v, rank, world, pad) for k, v in inputs.items()}
+    length = len(inputs)
+    per, extra = divmod(length, world)
+    start = rank * per + min(rank, extra)
+    end = start + per + (1 if rank < extra else 0)
+    share = inputs[start:end]
+    if pad and extra and rank >= extra and length:
+        last = inputs[-1:]
+        if hasattr(share, "dim"):
+            import torch
+
+            share = torch.cat([share, last])
+        else:
+            share = type(share)(list(share) + list(last))
+    return share
 
 
 __all__ = ["Accelerator", "accelerator_arguments"]

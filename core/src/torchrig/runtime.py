@@ -7,6 +7,7 @@ only if the plugin host's registrations changed). Both ask hooks; neither runs p
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,6 +68,30 @@ def start_run(
     return run
 
 
+#: Live runs per process-wide world (the default process group, or the lone process): torch's
+#: world group is process-global, so which strategy drives it is too. Weak: a run that ended
+#: no longer holds the world.
+_WORLD_RUNS: dict[int, weakref.WeakSet[RunContext]] = {}
+
+
+def claim_world(run: RunContext) -> None:
+    """Two Accelerators in one process share the world process group; they must agree on the
+    strategy driving it. A second one asking for a different strategy raises."""
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else 0
+    runs = _WORLD_RUNS.setdefault(key, weakref.WeakSet())
+    strategy = run.config.get("strategy")
+    for other in list(runs):
+        if other.config.get("strategy") != strategy:
+            raise RuntimeError(
+                f"this process already runs an Accelerator with strategy {other.config.get('strategy')!r}; a second one "
+                f"with strategy {strategy!r} would share its process group. Use the same strategy, or end the first "
+                "(del accelerator) before creating the second."
+            )
+    runs.add(run)
+
+
 def negotiate_capabilities(host: PluginHost, run: RunContext) -> None:
     """Ask the strategy once what it owns (``torchrig_strategy_capabilities``)."""
     if run.capabilities is None:
@@ -94,4 +119,4 @@ def build_step_plan(host: PluginHost, run: RunContext) -> StepPlan:
     return builder.build()
 
 
-__all__ = ["DEFAULT_PRECISION", "DEFAULT_STRATEGY", "build_step_plan", "detect_cluster", "negotiate_capabilities", "select_plugins", "start_run"]
+__all__ = ["DEFAULT_PRECISION", "DEFAULT_STRATEGY", "build_step_plan", "claim_world", "detect_cluster", "negotiate_capabilities", "select_plugins", "start_run"]

@@ -20,7 +20,7 @@ class OptimizerStepScheduler:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         for optimizer in self.optimizers:
-            if getattr(optimizer, "step_was_skipped", False) or getattr(optimizer, "is_accumulating", False):
+            if getattr(optimizer, "is_accumulating", False) or getattr(optimizer, "step_was_skipped", False):
                 return
         self.scheduler.step(*args, **kwargs)
 

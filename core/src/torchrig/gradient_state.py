@@ -1,0 +1,60 @@
+"""Per-run gradient-accumulation and data-position state, shared by the Accelerator, prepared
+optimizers, schedulers and dataloaders (through ``run.stash[GRADIENT_STATE]``, never a global)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from torchrig.types import StashKey
+
+
+@attrs.define
+class GradientState:
+    """What the training step and the data layer tell each other.
+
+    * ``sync_gradients`` — True on the micro-step that ends an accumulation cycle (the optimizer
+      steps, gradients are synchronised); False while accumulating.
+    * ``end_of_dataloader`` — the batch just yielded is the last of the active dataloader.
+    * ``remainder`` — on the last batch: how many samples of the final *global* batch are real
+      (the rest repeat earlier samples to keep batches even); -1 when not known / not needed.
+      ``gather_for_metrics`` keeps only that many.
+    """
+
+    num_steps: int = 1
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+    adjust_scheduler: bool = True
+    sync_gradients: bool = True
+    end_of_dataloader: bool = False
+    remainder: int = -1
+    #: Micro-steps since the last optimizer step (0..num_steps-1).
+    step: int = 0
+    #: Dataloaders currently being iterated (innermost last).
+    active_dataloaders: list[Any] = attrs.field(factory=list)
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self.active_dataloaders)
+
+    def enter_dataloader(self, loader: Any) -> None:
+        self.active_dataloaders.append(loader)
+        self.end_of_dataloader = False
+        self.remainder = -1
+
+    def exit_dataloader(self, loader: Any) -> None:
+        if loader in self.active_dataloaders:
+            self.active_dataloaders.remove(loader)
+
+
+#: Where the run keeps its :class:`GradientState`.
+GRADIENT_STATE: StashKey[GradientState] = StashKey("torchrig.gradient_state")
+
+
+def gradient_state_of(run: Any) -> GradientState:
+    """The run's gradient state, created on first use."""
+    return run.stash.setdefault(GRADIENT_STATE, GradientState())
+
+
+__all__ = ["GRADIENT_STATE", "GradientState", "gradient_state_of"]
