@@ -145,14 +145,15 @@ class TorchDynamoPlugin:
     """``torch.compile`` applied after the strategy wrapped the model."""
 
     backend: str = option("inductor", help="torch.compile backend ('no' disables compilation)",
-                          aliases=("dynamo_backend",), normalize=_dynamo_backend)
-    mode: str | None = option(None, help="compile mode: default, reduce-overhead, max-autotune", aliases=("dynamo_mode",))
-    fullgraph: bool = option(False, help="require a single graph", aliases=("dynamo_use_fullgraph",))
-    dynamic: bool | None = option(None, help="dynamic shapes", aliases=("dynamo_use_dynamic",))
+                          aliases=("dynamo_backend",), normalize=_dynamo_backend, flag="--dynamo_backend")
+    mode: str | None = option(None, help="compile mode: default, reduce-overhead, max-autotune", aliases=("dynamo_mode",), flag="--dynamo_mode")
+    fullgraph: bool = option(False, help="require a single graph", aliases=("dynamo_use_fullgraph",), flag="--dynamo_use_fullgraph")
+    dynamic: bool | None = option(None, help="dynamic shapes", aliases=("dynamo_use_dynamic",), flag="--dynamo_use_dynamic")
     options: dict[str, Any] | None = option(None, help="backend options")
     disable: bool = option(False, help="disable compilation")
     use_regional_compilation: bool = option(False, help="compile each repeated block instead of the whole model",
-                                            aliases=("dynamo_use_regional_compilation",))
+                                            aliases=("dynamo_use_regional_compilation",),
+                                            flag="--dynamo_use_regional_compilation")
 
 
 #: The core's own sections, declared through ``torchrig_config_sections`` like any plugin's.

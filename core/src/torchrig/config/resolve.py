@@ -294,7 +294,8 @@ def _document_entries(reader: _Reader, document: Document, layer: Layer) -> dict
 
 
 def _env_entries(schema: Schema, environ: Mapping[str, str], problems: list[Problem]) -> dict[str, Entry]:
-    names = {env_name(key): key for key in schema.all_keys() if schema.spec(key).info.env}
+    names = {env_name(key): key for key in schema.all_keys()
+             if schema.spec(key).info.env and not schema.spec(key).info.python_only}
     entries: dict[str, Entry] = {}
     for var, value in sorted(environ.items()):
         if not var.startswith(ENV_PREFIX) or var in RESERVED_ENV:

@@ -1,0 +1,21 @@
+"""The documentation lists what the code accepts."""
+
+from __future__ import annotations
+
+import pathlib
+
+from torchrig.config.compat import ACCELERATE_KEYS
+from torchrig.config.resolve import Schema, env_name
+from torchrig.testing import make_host
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_configuration_reference_lists_every_key_variable_and_accelerate_key():
+    text = (DOCS / "configuration.md").read_text()
+    schema = Schema(make_host())
+    missing = [key for key in schema.all_keys() if f"`{key}`" not in text]
+    missing += [env_name(key) for key in schema.all_keys() if schema.spec(key).info.env and not schema.spec(key).info.python_only
+                and env_name(key) not in text]
+    missing += [entry.key for entry in ACCELERATE_KEYS if f"`{entry.key}`" not in text]
+    assert not missing, f"docs/configuration.md is stale; run `python docs/gen_config_reference.py`: {missing}"
