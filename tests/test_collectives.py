@@ -81,7 +81,7 @@ def _shard_through_the_default_hook(ctx):
     run.device = host.hook.torchrig_select_device(run=run)
     negotiate_capabilities(host, run)
     loader = host.hook.torchrig_prepare_dataloader(
-        run=run, dataloader=DataLoader(TensorDataset(torch.arange(10)), batch_size=2, shuffle=True)
+        run=run, dataloader=DataLoader(TensorDataset(torch.arange(12)), batch_size=2, shuffle=True)
     )
     epochs = [torch.cat([b[0] for b in loader]).tolist() for _ in range(2)]
     return epochs
@@ -89,6 +89,6 @@ def _shard_through_the_default_hook(ctx):
 
 def test_default_dataloader_shards_by_rank_and_reshuffles_each_epoch(gloo_pool):
     (r0_e0, r0_e1), (r1_e0, r1_e1) = gloo_pool.run(_shard_through_the_default_hook, timeout=60)
-    assert sorted(r0_e0 + r1_e0) == list(range(10))
-    assert sorted(r0_e1 + r1_e1) == list(range(10))
+    assert sorted(r0_e0 + r1_e0) == list(range(12))
+    assert sorted(r0_e1 + r1_e1) == list(range(12))
     assert (r0_e0, r1_e0) != (r0_e1, r1_e1)

@@ -101,12 +101,15 @@ def test_sharding_splits_map_style_and_iterable_data_without_overlap():
         def __iter__(self):
             return iter(range(9))
 
-    got = [sum((b.tolist() for b in shard_dataloader(DataLoader(Stream(), batch_size=2), 3, r)), []) for r in range(3)]
-    assert got == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+    # Each chunk of batch_size x world samples is one global batch; rank r takes the r-th slice.
+    streams = [shard_dataloader(DataLoader(Stream(), batch_size=2), 3, r, even_batches=False) for r in range(3)]
+    got = [sum((b.tolist() for b in loader), []) for loader in streams]
+    assert got == [[0, 1, 6, 7], [2, 3, 8], [4, 5]]
 
-    custom = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])
-    with pytest.raises(ValueError, match="custom batch_sampler"):
-        shard_dataloader(custom, 2, 0)
+    # A custom batch_sampler is sharded batch by batch, round-robin.
+    custom = DataLoader(data, batch_sampler=[[0, 1], [2, 3], [4]])
+    got = [[b[0].tolist() for b in shard_dataloader(custom, 2, r, even_batches=False)] for r in range(2)]
+    assert got == [[[0, 1], [4]], [[2, 3]]]
 
 
 def test_worker_environment_default_divides_cores():

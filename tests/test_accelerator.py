@@ -1,0 +1,289 @@
+"""The Accelerator on one process, against hand-written PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchrig.accelerator as accelerator_module
+from torchrig import Accelerator, AutocastKwargs, GradientAccumulationPlugin
+from torchrig.plugin_manager import PluginHost
+from torchrig.testing import HookRecorder
+from torchrig.utils import find_executable_batch_size, set_seed
+
+
+@pytest.fixture(autouse=True)
+def clean_config(monkeypatch, tmp_path):
+    """No machine default file or TORCHRIG_* variable from the developer's machine."""
+    for key in [k for k in os.environ if k.startswith("TORCHRIG_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("TORCHRIG_CONFIG_HOME", str(tmp_path / "torchrig-home"))
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def dataset(n: int = 64) -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 8, generator=generator), torch.randint(0, 4, (n,), generator=generator))
+
+
+def test_exact_hook_order_of_a_tiny_run_and_no_hooks_per_step(monkeypatch):
+    recorders = []
+
+    def recorded_host(*args, **kwargs):
+        host = PluginHost(*args, **kwargs)
+        recorders.append(HookRecorder(host).start())
+        return host
+
+    monkeypatch.setattr(accelerator_module, "PluginHost", recorded_host)
+    accelerator = Accelerator(cpu=True)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    loader = DataLoader(dataset(16), batch_size=8)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    (rec,) = recorders
+    names = [n for n in rec.names if n not in ("torchrig_config_sections", "torchrig_cli_flags", "torchrig_validate_config")]
+    assert names == [
+        "torchrig_detect_cluster",
+        "torchrig_select_device",
+        "torchrig_init_process_group",
+        "torchrig_collectives",
+        "torchrig_configure",
+        "torchrig_strategy_capabilities",
+        "torchrig_precision_step_plan",
+        "torchrig_prepare_model",
+        "torchrig_prepare_scheduler",
+        "torchrig_prepare_dataloader",
+    ]
+    rec.clear()
+    for x, y in loader:
+        accelerator.backward(nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    assert rec.calls == []  # the step path runs plain callables, never a hook
+
+
+def hand_written(steps_data, lr=0.05):
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for x, y in steps_data:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model
+
+
+def test_fp32_training_is_bit_identical_to_a_hand_written_loop():
+    data = dataset(64)
+    reference = hand_written([(x, y) for x, y in DataLoader(data, batch_size=8)])
+    accelerator = Accelerator(cpu=True)
+    model = mlp()
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05),
+                                                   DataLoader(data, batch_size=8))
+    for x, y in loader:
+        optimizer.zero_grad()
+        accelerator.backward(nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+    for a, b in zip(reference.parameters(), accelerator.unwrap_model(model).parameters()):
+        assert torch.equal(a, b)
+
+
+def test_bf16_trains_close_to_fp32():
+    data = dataset(64)
+    reference = hand_written([(x, y) for x, y in DataLoader(data, batch_size=8)])
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model = mlp()
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05),
+                                                   DataLoader(data, batch_size=8))
+    for x, y in loader:
+        out = model(x)
+        assert out.dtype == torch.float32  # forward autocast, outputs returned in fp32
+        accelerator.backward(nn.functional.cross_entropy(out, y))
+        optimizer.step()
+        optimizer.zero_grad()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.allclose(a, b, atol=0.05), (a - b).abs().max()
+    with accelerator.autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with accelerator.autocast(AutocastKwargs(enabled=False)):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    assert accelerator.unwrap_model(model, keep_fp32_wrapper=False)(torch.ones(1, 8)).dtype == torch.float32
+
+
+def test_fp16_overflow_skips_the_step_and_the_scheduler():
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(torch.randn(4, 8)).sum() * float("inf")
+    accelerator.backward(loss)
+    optimizer.step()
+    scheduler.step()
+    assert accelerator.optimizer_step_was_skipped
+    assert scheduler.get_last_lr() == [0.1]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    optimizer.zero_grad()
+    accelerator.backward(model(torch.randn(4, 8)).pow(2).mean())
+    norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)  # unscales first
+    assert torch.isfinite(norm)
+    optimizer.step()
+    scheduler.step()
+    assert not accelerator.optimizer_step_was_skipped
+    assert scheduler.get_last_lr() == [0.05]
+
+
+def test_accumulating_4_micro_batches_of_8_equals_one_batch_of_32():
+    data = dataset(32)
+    x, y = data.tensors
+    reference = mlp()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.functional.cross_entropy(reference(x), y).backward()
+    ref_optimizer.step()
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model = mlp()
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                   DataLoader(data, batch_size=8))
+    syncs = []
+    for bx, by in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.cross_entropy(model(bx), by))  # divided by 4 here, once
+            syncs.append(accelerator.sync_gradients)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert syncs == [False, False, False, True]
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_scheduler_steps_once_per_optimizer_step_and_end_of_dataloader_syncs():
+    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=3))
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    # 10 batches: syncs at micro-steps 3, 6, 9 and at the end of the dataloader (10).
+    model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler,
+                                                              DataLoader(dataset(40), batch_size=4))
+    steps = 0
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            steps += accelerator.sync_gradients
+    assert steps == 4
+    assert scheduler.scheduler.last_epoch == 4  # never multiplied by anything
+
+
+def test_gather_for_metrics_counts_every_sample_once_on_uneven_batches():
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=4))
+    seen = [accelerator.gather_for_metrics(batch[0]) for batch in loader]
+    assert torch.equal(torch.cat(seen), torch.arange(10))
+    assert accelerator.gather_for_metrics({"a": torch.ones(2)})["a"].shape == (2,)
+    assert accelerator.gather_for_metrics(["x"], use_gather_object=True) == ["x"]
+
+
+def test_single_process_collectives_and_helpers():
+    accelerator = Accelerator(cpu=True)
+    t = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(accelerator.gather(t), t)
+    assert torch.equal(accelerator.reduce(t, "sum", scale=2.0), t * 2)
+    assert torch.equal(accelerator.pad_across_processes(t, dim=1), t)
+    accelerator.wait_for_everyone()
+    with accelerator.split_between_processes([1, 2, 3]) as share:
+        assert share == [1, 2, 3]
+    with accelerator.main_process_first():
+        pass
+    assert accelerator.on_main_process(lambda: 7)() == 7
+    assert accelerator.on_process(lambda: 7, process_index=1)() is None
+    assert not accelerator.check_trigger()
+    accelerator.set_trigger()
+    assert accelerator.check_trigger() and not accelerator.check_trigger()
+    assert accelerator.is_main_process and accelerator.is_local_main_process and accelerator.is_last_process
+    assert accelerator.num_processes == 1 and accelerator.process_index == 0
+    assert accelerator.device == torch.device("cpu")
+
+
+def test_unwrap_get_state_dict_and_free_memory():
+    accelerator = Accelerator(cpu=True)
+    original = mlp()
+    model = accelerator.prepare(original)
+    assert accelerator.unwrap_model(model) is original
+    assert set(accelerator.get_state_dict(model)) == set(original.state_dict())
+    assert accelerator.free_memory(model) == [None]
+    assert accelerator._models == []
+
+
+def test_two_accelerators_share_a_process_and_a_different_strategy_raises(fake_modules):
+    first = Accelerator(cpu=True, mixed_precision="bf16")
+    second = Accelerator(cpu=True)  # same strategy, different precision: fine
+    assert (first.mixed_precision, second.mixed_precision) == ("bf16", "no")
+    model_a, model_b = first.prepare(mlp()), second.prepare(mlp())
+    assert model_a(torch.ones(1, 8)).dtype == torch.float32
+
+
+def test_find_executable_batch_size_halves_on_out_of_memory():
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=64)
+    def train(batch_size):
+        tried.append(batch_size)
+        if batch_size > 16:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")
+        return batch_size
+
+    assert train() == 16 and tried == [64, 32, 16]
+
+    @find_executable_batch_size(starting_batch_size=4)
+    def broken(batch_size):
+        raise ValueError("not memory")
+
+    with pytest.raises(ValueError, match="not memory"):
+        broken()
+
+
+def test_set_seed_makes_runs_repeatable():
+    set_seed(3)
+    a = torch.rand(3)
+    set_seed(3)
+    assert torch.equal(a, torch.rand(3))
+
+
+def test_get_logger_logs_on_the_main_process(caplog):
+    from torchrig.logging import get_logger
+
+    logger = get_logger("torchrig.test", log_level="INFO")
+    with caplog.at_level("INFO"):
+        logger.info("hello main")
+        logger.info("every rank", main_process_only=False)
+    assert "hello main" in caplog.text and "every rank" in caplog.text
+
+
+def test_prepare_rejects_an_optimizer_spanning_two_models():
+    accelerator = Accelerator(cpu=True)
+    a, b = mlp(), mlp()
+    optimizer = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    with pytest.raises(ValueError, match="more than one model"):
+        accelerator.prepare(a, b, optimizer)
+
+
+def test_torch_compile_after_wrapping():
+    accelerator = Accelerator(cpu=True, dynamo_backend="eager")
+    original = mlp()
+    model = accelerator.prepare(original)
+    assert model is not original and accelerator.unwrap_model(model) is original
+    assert torch.allclose(model(torch.ones(2, 8)), original(torch.ones(2, 8)))
