@@ -287,3 +287,69 @@ def test_torch_compile_after_wrapping():
     model = accelerator.prepare(original)
     assert model is not original and accelerator.unwrap_model(model) is original
     assert torch.allclose(model(torch.ones(2, 8)), original(torch.ones(2, 8)))
+
+
+def test_shuffled_training_is_bit_identical_to_a_hand_written_loop_with_the_same_generator_seed():
+    from torch.utils.data import RandomSampler
+
+    from torchrig import DataLoaderConfiguration
+
+    data, seed, epochs = dataset(48), 1234, 2
+    reference = mlp()
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    for epoch in range(epochs):  # the data layer's rule: epoch e shuffles with Generator(seed + e)
+        sampler = RandomSampler(data, generator=torch.Generator().manual_seed(seed + epoch))
+        for x, y in DataLoader(data, batch_size=8, sampler=sampler):
+            ref_optimizer.zero_grad()
+            nn.functional.cross_entropy(reference(x), y).backward()
+            ref_optimizer.step()
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(data_seed=seed))
+    model = mlp()
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05),
+                                                   DataLoader(data, batch_size=8, shuffle=True))
+    rng_before = torch.get_rng_state()
+    for _ in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            accelerator.backward(nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+    assert torch.equal(rng_before, torch.get_rng_state())  # iterating drew nothing from the global RNG
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_second_strategy_on_the_same_world_raises():
+    from torchrig.run import RunContext
+    from torchrig.runtime import claim_world
+
+    first = RunContext(config={"strategy": "single"})
+    claim_world(first)
+    with pytest.raises(RuntimeError, match="already runs an Accelerator with strategy 'single'"):
+        claim_world(RunContext(config={"strategy": "ddp"}))
+    del first
+    import gc
+
+    gc.collect()
+    claim_world(RunContext(config={"strategy": "ddp"}))  # the first run ended: the world is free
+
+
+def test_regional_compilation_compiles_each_repeated_block():
+    from torchrig import TorchDynamoPlugin
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
+    original = Blocks()
+    expected = original(torch.ones(2, 4))
+    model = accelerator.prepare(original)
+    assert all(type(layer).__name__ == "OptimizedModule" for layer in model.layers)
+    assert torch.allclose(model(torch.ones(2, 4)), expected)

@@ -56,7 +56,7 @@ def test_core_extras_and_default_ddp():
 def test_dev_install_pins_cpu_torch_and_installs_plugins_from_local_paths():
     lines = [l.strip() for l in (REPO / "requirements-dev.txt").read_text().splitlines() if l.strip() and not l.startswith("#")]
     assert "torch==2.13.0" in lines
-    for directory in ["core[test]", *(f"plugins/{p}" for p in PLUGINS)]:
+    for directory in ["core[test,examples]", *(f"plugins/{p}" for p in PLUGINS)]:
         assert f"-e ./{directory}" in lines
 
 

@@ -1,0 +1,130 @@
+"""B1: per-step overhead of torchrig against a hand-written PyTorch loop, in one process.
+
+Pinned model: MLP 32→64→64→10, batch 64, AdamW, one thread. Both loops run in this process on
+identical copies of the model and data; blocks of steps are interleaved (plain, torchrig,
+plain-again) so machine noise hits all alike. Reported: median µs/step of each, the median
+added time per step with a bootstrap 95% confidence interval, and the A/A noise floor (plain
+against plain-again). Budget: median added ≤ 25 µs.
+
+    python benchmarks/bench_step_overhead.py [--rounds 60] [--steps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+BUDGET_US = 25.0
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def plain_step_fn(model, optimizer, batches):
+    loss_fn = nn.functional.cross_entropy
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            x, y = batches[i % len(batches)]
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+        return (time.perf_counter() - start) / n
+
+    return run
+
+
+def torchrig_step_fn(accelerator, model, optimizer, batches, use_accumulate: bool):
+    loss_fn = nn.functional.cross_entropy
+    backward = accelerator.backward
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        if use_accumulate:
+            for i in range(n):
+                x, y = batches[i % len(batches)]
+                with accelerator.accumulate(model):
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = loss_fn(model(x), y)
+                    backward(loss)
+                    optimizer.step()
+        else:
+            for i in range(n):
+                x, y = batches[i % len(batches)]
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x), y)
+                backward(loss)
+                optimizer.step()
+        return (time.perf_counter() - start) / n
+
+    return run
+
+
+def bootstrap_ci(values: list[float], rounds: int = 2000) -> tuple[float, float]:
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
+    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    from torchrig import Accelerator
+
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(64, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator))
+               for _ in range(16)]
+    base = make_model()
+    plain_model, aa_model, rig_model = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    plain = plain_step_fn(plain_model, torch.optim.AdamW(plain_model.parameters(), lr=1e-3), batches)
+    again = plain_step_fn(aa_model, torch.optim.AdamW(aa_model.parameters(), lr=1e-3), batches)
+    accelerator = Accelerator(cpu=True)
+    rig_model, rig_optimizer = accelerator.prepare(rig_model, torch.optim.AdamW(rig_model.parameters(), lr=1e-3))
+    rig = torchrig_step_fn(accelerator, rig_model, rig_optimizer, batches, use_accumulate=False)
+    rig_acc = torchrig_step_fn(accelerator, rig_model, rig_optimizer, batches, use_accumulate=True)
+
+    runners = {"plain": plain, "plain-again": again, "torchrig": rig, "torchrig+accumulate": rig_acc}
+    for run in runners.values():  # warm up
+        run(args.steps)
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    order = list(runners)
+    for round_index in range(args.rounds):
+        rotation = order[round_index % len(order):] + order[: round_index % len(order)]
+        for name in rotation:
+            samples[name].append(runners[name](args.steps) * 1e6)
+
+    plain_us = samples["plain"]
+    print(f"B1 step overhead — MLP 32-64-64-10, batch 64, AdamW, 1 thread; {args.rounds} rounds × {args.steps} steps")
+    print(f"{'loop':<22} {'median µs/step':>15} {'added µs (median, 95% CI)':>32}")
+    results = {}
+    for name in runners:
+        diffs = [a - b for a, b in zip(samples[name], plain_us)]
+        median, (low, high) = statistics.median(diffs), bootstrap_ci(diffs)
+        results[name] = median
+        added = "—" if name == "plain" else f"{median:+.1f} [{low:+.1f}, {high:+.1f}]"
+        print(f"{name:<22} {statistics.median(samples[name]):>15.1f} {added:>32}")
+    noise = abs(results["plain-again"])
+    ok = results["torchrig"] <= BUDGET_US
+    print(f"A/A noise floor (plain-again − plain): {results['plain-again']:+.1f} µs")
+    print(f"B1 torchrig added {results['torchrig']:+.1f} µs/step (budget ≤ {BUDGET_US:.0f}; noise floor {noise:.1f}): "
+          f"{'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
