@@ -353,3 +353,54 @@ def test_regional_compilation_compiles_each_repeated_block():
     model = accelerator.prepare(original)
     assert all(type(layer).__name__ == "OptimizedModule" for layer in model.layers)
     assert torch.allclose(model(torch.ones(2, 4)), expected)
+
+
+def test_grad_scaler_kwargs_and_autocast_kwargs_reach_the_precision_plugin():
+    from torchrig import GradScalerKwargs
+
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16",
+                              kwargs_handlers=[GradScalerKwargs(init_scale=128.0, growth_interval=1),
+                                               AutocastKwargs(enabled=False)])
+    model = mlp()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    assert model(torch.ones(1, 8)).dtype == torch.float32  # autocast disabled by AutocastKwargs
+    precision = accelerator._host.pm.get_plugin("precision:fp16")
+    assert precision.scaler.get_scale() == 128.0
+    accelerator.backward(model(torch.ones(2, 8)).pow(2).mean())
+    optimizer.step()
+    assert precision.scaler.get_scale() == 256.0  # grew after growth_interval=1 good step
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_scheduler_stepped_on_every_call_when_asked():
+    from torchrig import GradientAccumulationPlugin
+
+    for kwargs in ({"step_scheduler_with_optimizer": False},
+                   {"gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=2, adjust_scheduler=False)}):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2 if "step_scheduler_with_optimizer" in kwargs else 1,
+                                  **kwargs)
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        for _ in range(4):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(torch.ones(2, 8)).sum())
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        assert scheduler.scheduler.last_epoch == 4, kwargs
+
+
+def test_device_placement_false_leaves_batches_alone_and_gradient_accumulation_kwargs():
+    from torchrig import DataLoaderConfiguration
+    from torchrig.errors import ConfigError
+
+    accelerator = Accelerator(cpu=True, device_placement=False)
+    loader = accelerator.prepare(DataLoader(dataset(8), batch_size=4))
+    assert len(list(loader)) == 2
+    configured = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        gradient_accumulation_kwargs={"num_steps": 3, "sync_each_batch": True}))
+    assert configured.gradient_accumulation_steps == 3 and configured.gradient_state.sync_each_batch
+    with pytest.raises(ConfigError, match="gradient_accumulation_kwargs.num_step"):
+        Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(gradient_accumulation_kwargs={"num_step": 3}))

@@ -81,7 +81,8 @@ def _shard_through_the_default_hook(ctx):
     run.device = host.hook.torchrig_select_device(run=run)
     negotiate_capabilities(host, run)
     loader = host.hook.torchrig_prepare_dataloader(
-        run=run, dataloader=DataLoader(TensorDataset(torch.arange(12)), batch_size=2, shuffle=True)
+        run=run, dataloader=DataLoader(TensorDataset(torch.arange(12)), batch_size=2, shuffle=True),
+        device_placement=True,
     )
     epochs = [torch.cat([b[0] for b in loader]).tolist() for _ in range(2)]
     return epochs

@@ -28,7 +28,7 @@ def test_prepare_model_default_moves_to_device_and_keeps_optimizers(single_run):
     host, run = single_run
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    prepared = host.hook.torchrig_prepare_model(run=run, model=model, optimizers=[optimizer], schedulers=[])
+    prepared = host.hook.torchrig_prepare_model(run=run, model=model, optimizers=[optimizer], schedulers=[], device_placement=True)
     assert isinstance(prepared, PreparedModel)
     assert prepared.model is model and prepared.unwrapped is model
     assert prepared.optimizers == [optimizer]
@@ -42,7 +42,7 @@ def test_plain_state_round_trips_through_a_directory(single_run, tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(4, 3)).sum().backward()
     optimizer.step()
-    prepared = [host.hook.torchrig_prepare_model(run=run, model=model, optimizers=[optimizer], schedulers=[])]
+    prepared = [host.hook.torchrig_prepare_model(run=run, model=model, optimizers=[optimizer], schedulers=[], device_placement=True)]
     files = host.hook.torchrig_save_strategy_state(run=run, prepared=prepared, directory=str(tmp_path))
     assert sorted(files) == ["model_0.pt", "optimizer_0_0.pt"]
 
@@ -82,7 +82,7 @@ def test_scheduler_default_steps_once_per_applied_optimizer_step(single_run):
 def test_dataloader_default_single_process_moves_batches(single_run):
     host, run = single_run
     data = TensorDataset(torch.arange(10.0).unsqueeze(1), torch.arange(10))
-    loader = host.hook.torchrig_prepare_dataloader(run=run, dataloader=DataLoader(data, batch_size=4))
+    loader = host.hook.torchrig_prepare_dataloader(run=run, dataloader=DataLoader(data, batch_size=4), device_placement=True)
     batches = list(loader)
     assert len(loader) == 3 and len(batches) == 3
     assert torch.equal(torch.cat([b[1] for b in batches]), torch.arange(10))

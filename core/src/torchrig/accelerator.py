@@ -186,12 +186,8 @@ class Accelerator:
                                          world_size=cluster.world_size, warn=False)
         self._run: RunContext = start_run(self._host, self.config, cluster=cluster)
         claim_world(self._run)
-        plugin = self.config.section("gradient_accumulation_plugin")
         self.gradient_state = gradient_state_of(self._run)
-        self.gradient_state.num_steps = self.gradient_accumulation_steps
-        self.gradient_state.sync_with_dataloader = plugin.sync_with_dataloader
-        self.gradient_state.sync_each_batch = plugin.sync_each_batch
-        self.gradient_state.adjust_scheduler = plugin.adjust_scheduler
+        self._configure_accumulation()
         self._plan: StepPlan | None = None
         self._plan_generation = -1
         self._models: list[PreparedModel] = []
@@ -200,6 +196,27 @@ class Accelerator:
         self._dataloaders: list[Any] = []
         self._accumulate = _AccumulateContext(self)
         self.flag_tensor: Any = None
+
+    def _configure_accumulation(self) -> None:
+        """Gradient accumulation settings: ``GradientAccumulationPlugin``, then the fields a
+        ``DataLoaderConfiguration(gradient_accumulation_kwargs=...)`` gives (the seed's API)."""
+        plugin = self.config.section("gradient_accumulation_plugin")
+        configured = plugin.num_steps if (plugin.num_steps is not None and not self.config.is_set("gradient_accumulation_steps")) \
+            else self.config["gradient_accumulation_steps"]
+        settings = {"num_steps": configured, "adjust_scheduler": plugin.adjust_scheduler,
+                    "sync_with_dataloader": plugin.sync_with_dataloader, "sync_each_batch": plugin.sync_each_batch}
+        extra = self.config["dataloader_config.gradient_accumulation_kwargs"] or {}
+        unknown = sorted(set(extra) - set(settings))
+        if unknown:
+            raise ConfigError([f"dataloader_config.gradient_accumulation_kwargs.{key} ({self.config.source('dataloader_config.gradient_accumulation_kwargs')}): "
+                               f"unknown key; accepted: {', '.join(settings)}" for key in unknown])
+        settings.update(extra)
+        state = self.gradient_state
+        state.num_steps = int(settings["num_steps"])
+        state.adjust_scheduler = bool(settings["adjust_scheduler"])
+        state.sync_with_dataloader = bool(settings["sync_with_dataloader"])
+        state.sync_each_batch = bool(settings["sync_each_batch"])
+        state.step_scheduler_with_optimizer = self.step_scheduler_with_optimizer
 
     # -- where this process sits ----------------------------------------------------------
 
@@ -250,9 +267,7 @@ class Accelerator:
 
     @property
     def gradient_accumulation_steps(self) -> int:
-        steps = self.config["gradient_accumulation_plugin.num_steps"]
-        return int(steps if steps is not None and not self.config.is_set("gradient_accumulation_steps")
-                   else self.config["gradient_accumulation_steps"])
+        return self.gradient_state.num_steps
 
     @property
     def project_dir(self) -> str | None:
@@ -301,9 +316,9 @@ class Accelerator:
             own_schedulers = [s for s in schedulers if any(args[s].optimizer is args[o] for o in own)]
             prepared = self._host.hook.torchrig_prepare_model(
                 run=self._run, model=model, optimizers=[args[o] for o in own],
-                schedulers=[args[s] for s in own_schedulers],
+                schedulers=[args[s] for s in own_schedulers], device_placement=placement[m],
             )
-            prepared.model = self._apply_precision_and_compile(prepared.model, placement[m])
+            prepared.model = self._apply_precision_and_compile(prepared.model)
             self._models.append(prepared)
             result[m] = prepared.model
             for o, optimizer in zip(own, prepared.optimizers):
@@ -322,7 +337,8 @@ class Accelerator:
             self._schedulers.append(wrapped)
             result[s] = wrapped
         for d in loaders:
-            loader = self._host.hook.torchrig_prepare_dataloader(run=self._run, dataloader=args[d])
+            loader = self._host.hook.torchrig_prepare_dataloader(run=self._run, dataloader=args[d],
+                                                                 device_placement=placement[d])
             self._dataloaders.append(loader)
             result[d] = loader
         return result[0] if len(result) == 1 else tuple(result)
@@ -369,7 +385,7 @@ class Accelerator:
                 raise ValueError("prepare(): this optimizer was built over parameters its model no longer uses (the "
                                  "strategy replaced them); prepare the model and its optimizer in one call")
 
-    def _apply_precision_and_compile(self, model: Any, place: bool) -> Any:
+    def _apply_precision_and_compile(self, model: Any) -> Any:
         """Autocast the forward (when the precision plugin installed one) and ``torch.compile``
         after the strategy wrapped the model."""
         plan = self._step_plan()

@@ -58,8 +58,9 @@ class CoreDefaults:
         assert run.device is not None
         timeout = float(run.option("init_process_group_kwargs.timeout", DEFAULT_COLLECTIVE_TIMEOUT_S))
         dist.init_process_group(
-            backend=run.device.dist_backend,
-            init_method=f"tcp://{run.cluster.master_addr}:{run.cluster.master_port}",
+            backend=run.option("init_process_group_kwargs.backend") or run.device.dist_backend,
+            init_method=run.option("init_process_group_kwargs.init_method")
+            or f"tcp://{run.cluster.master_addr}:{run.cluster.master_port}",
             rank=run.cluster.rank,
             world_size=run.cluster.world_size,
             timeout=datetime.timedelta(seconds=timeout),
@@ -78,23 +79,25 @@ class CoreDefaults:
 
     @hookimpl(trylast=True)
     def torchrig_prepare_model(
-        self, run: RunContext, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any]
+        self, run: RunContext, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any], device_placement: bool
     ) -> PreparedModel:
         assert run.device is not None
-        model.to(run.device.device)
+        if device_placement:
+            model.to(run.device.device)
         return PreparedModel(model=model, unwrapped=model, optimizers=list(optimizers), schedulers=list(schedulers))
 
     @hookimpl(trylast=True)
-    def torchrig_prepare_dataloader(self, run: RunContext, dataloader: Any) -> Any:
+    def torchrig_prepare_dataloader(self, run: RunContext, dataloader: Any, device_placement: bool) -> Any:
         from torchrig.data import prepare_dataloader
 
-        return prepare_dataloader(run, dataloader)
+        return prepare_dataloader(run, dataloader, device_placement=device_placement)
 
     @hookimpl(trylast=True)
     def torchrig_prepare_scheduler(self, run: RunContext, scheduler: Any, optimizers: Sequence[Any]) -> Any:
+        from torchrig.gradient_state import gradient_state_of
         from torchrig.scheduler import OptimizerStepScheduler
 
-        return OptimizerStepScheduler(scheduler, optimizers)
+        return OptimizerStepScheduler(scheduler, optimizers, gradient_state_of(run))
 
     @hookimpl(trylast=True)
     def torchrig_save_strategy_state(

@@ -26,6 +26,8 @@ class GradientState:
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
     adjust_scheduler: bool = True
+    #: ``Accelerator(step_scheduler_with_optimizer=...)``: False steps schedulers on every call.
+    step_scheduler_with_optimizer: bool = True
     sync_gradients: bool = True
     end_of_dataloader: bool = False
     remainder: int = -1

@@ -220,7 +220,7 @@ def torchrig_strategy_capabilities(run: RunContext) -> Capabilities | None:
 
 @hookspec(firstresult=True)
 def torchrig_prepare_model(
-    run: RunContext, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any]
+    run: RunContext, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any], device_placement: bool
 ) -> PreparedModel | None:
     """Wrap one model together with the optimizers (and schedulers) over its parameters.
 
@@ -235,14 +235,16 @@ def torchrig_prepare_model(
     - kind: firstresult (the selected strategy answers).
     - arguments: ``model`` — the user's ``torch.nn.Module``; ``optimizers`` — the user's
       optimizers whose parameters belong to this model (the core pairs them by parameter
-      identity); ``schedulers`` — the user's schedulers whose optimizer is among those.
+      identity); ``schedulers`` — the user's schedulers whose optimizer is among those;
+      ``device_placement`` — False when the user asked not to move the model.
     - return: :class:`~torchrig.types.PreparedModel`.
-    - default: move the module to ``run.device``; optimizers and schedulers unchanged.
+    - default: move the module to ``run.device`` (unless ``device_placement`` is False);
+      optimizers and schedulers unchanged.
     """
 
 
 @hookspec(firstresult=True)
-def torchrig_prepare_dataloader(run: RunContext, dataloader: Any) -> Any:
+def torchrig_prepare_dataloader(run: RunContext, dataloader: Any, device_placement: bool) -> Any:
     """Shard a DataLoader across data-parallel ranks and place its batches on the device.
 
     - phase: preparation, once per DataLoader.
@@ -250,6 +252,7 @@ def torchrig_prepare_dataloader(run: RunContext, dataloader: Any) -> Any:
     - kind: firstresult. Strategies rarely answer: data-parallel sharding is the core's job,
       parametrised by the strategy's declared ``data_parallel_size``/``rank``. A device whose
       loading differs (XLA's parallel loader) may.
+    - arguments: ``device_placement`` — False when batches must stay where the loader puts them.
     - return: the prepared loader (iterable, ``len()``, ``state_dict()``/``load_state_dict()``).
     - default: the core's data layer (:mod:`torchrig.data`).
     """

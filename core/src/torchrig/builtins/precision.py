@@ -34,11 +34,12 @@ class PrecisionPlugin:
             return
         assert run.device is not None
         device_type, dtype = run.device.autocast_device_type, self.dtype
-        autocast_kwargs = dict(run.option("autocast_kwargs", {}) or {})
-        enabled = bool(autocast_kwargs.pop("enabled", True))
+        enabled = bool(run.option("autocast_kwargs.enabled", True))
+        cache_enabled = run.option("autocast_kwargs.cache_enabled")
+        extra = {} if cache_enabled is None else {"cache_enabled": bool(cache_enabled)}
 
         def autocast() -> Any:
-            return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, **autocast_kwargs)
+            return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, **extra)
 
         plan.set("autocast", autocast)
 
@@ -67,7 +68,12 @@ class Float16Precision(PrecisionPlugin):
     def torchrig_precision_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
         super().torchrig_precision_step_plan(run, plan)
         assert run.device is not None
-        scaler = torch.amp.GradScaler(run.device.autocast_device_type, **dict(run.option("grad_scaler_kwargs", {}) or {}))
+        scaler = torch.amp.GradScaler(
+            run.device.autocast_device_type,
+            **{name: run.option(f"grad_scaler_kwargs.{name}", default)
+               for name, default in (("init_scale", 65536.0), ("growth_factor", 2.0), ("backoff_factor", 0.5),
+                                     ("growth_interval", 2000), ("enabled", True))},
+        )
         self.scaler = scaler
         unscaled: set[int] = set()
 

@@ -79,11 +79,13 @@ class DataLoaderConfiguration:
     split_batches: bool = option(False, help="split each batch across processes instead of giving each process its own")
     dispatch_batches: bool | None = option(None, help="main process iterates and sends each process its share")
     even_batches: bool = option(True, help="pad the last batches so every process gets the same number")
-    use_seedable_sampler: bool = option(False, help="replace the sampler with a seedable one for exact reproducibility")
+    use_seedable_sampler: bool = option(False, help="accepted for compatibility: torchrig's prepared loaders always "
+                                        "shuffle with their own seeded generator")
     use_configured_sampler: bool = option(False, help="keep the DataLoader's own sampler and shard its batches")
     data_seed: int | None = option(None, help="seed of the seedable sampler's generator")
     non_blocking: bool = option(False, help="copy batches to the device with non_blocking=True")
-    use_stateful_dataloader: bool = option(False, help="make prepared DataLoaders resumable mid-epoch (StatefulDataLoader protocol)")
+    use_stateful_dataloader: bool = option(False, help="accepted for compatibility: torchrig's prepared loaders are "
+                                           "always resumable mid-epoch (state_dict/load_state_dict)")
     gradient_accumulation_kwargs: dict[str, Any] | None = option(
         None, help="GradientAccumulationPlugin parameters to apply with this dataloader configuration"
     )
