@@ -325,3 +325,52 @@ def test_arbitrary_yaml_documents_raise_only_config_error(host, tmp_path, docume
             resolve(host, config_file=str(path))
         except ConfigError:
             pass
+
+
+# -- every Accelerate key ------------------------------------------------------------------------
+
+from torchrig.config.compat import ACCELERATE_KEYS  # noqa: E402
+
+SUPPORTED_EXAMPLES = {
+    "distributed_type": ("NO", "strategy", "single"),
+    "mixed_precision": ("bf16", "mixed_precision", "bf16"),
+    "use_cpu": (True, "use_cpu", True),
+    "num_processes": (1, "num_processes", 1),
+    "num_machines": (1, "num_machines", 1),
+    "machine_rank": (0, "machine_rank", 0),
+    "main_process_ip": ("10.0.0.1", "main_process_ip", "10.0.0.1"),
+    "main_process_port": (29500, "main_process_port", 29500),
+    "rdzv_backend": ("static", "rdzv_backend", "static"),
+    "gpu_ids": ("all", "gpu_ids", "all"),
+    "dynamo_config": ({"dynamo_backend": "INDUCTOR"}, "dynamo_config.backend", "inductor"),
+    "dynamo_backend": ("INDUCTOR", "dynamo_config.backend", "inductor"),
+    "fsdp_config": ({"fsdp_sharding_strategy": "SHARD_GRAD_OP"}, "fsdp_config.sharding_strategy", "SHARD_GRAD_OP"),
+    "deepspeed_config": ({"zero_stage": 2}, "deepspeed_config.zero_stage", 2),
+}
+OFF_VALUES = {"compute_environment": "LOCAL_MACHINE", "downcast_bf16": "no", "same_network": True,
+              "main_training_function": "main"}
+ON_VALUES = {"compute_environment": "AMAZON_SAGEMAKER", "debug": True, "enable_cpu_affinity": True,
+             "use_mps_device": True, "fp8_config": {"backend": "TE"}, "megatron_lm_config": {"megatron_lm_tp_degree": 2},
+             "parallelism_config": {"parallelism_config_tp_size": 2}, "ipex_config": {"ipex": True},
+             "mpirun_config": {"mpirun_ccl": 1}, "tpu_name": "tpu", "tpu_zone": "zone", "tpu_use_cluster": True,
+             "tpu_use_sudo": True, "tpu_vm": ["vm"], "tpu_env": ["A=1"], "command_file": "cmds.sh", "commands": ["ls"]}
+
+
+@pytest.mark.parametrize("entry", ACCELERATE_KEYS, ids=lambda e: e.key)
+def test_every_accelerate_key_is_supported_accepted_or_rejected_never_dropped(host, tmp_path, entry):
+    path = tmp_path / "accelerate.yaml"
+    if entry.status == "supported":
+        value, key, expected = SUPPORTED_EXAMPLES[entry.key]
+        path.write_text(yaml.safe_dump({entry.key: value}))
+        assert resolve(host, config_file=str(path))[key] == expected
+    elif entry.status == "no_effect":
+        path.write_text(yaml.safe_dump({entry.key: OFF_VALUES.get(entry.key, False)}))
+        config = resolve(host, config_file=str(path))
+        assert [n.key for n in config.notes] == [entry.key] and config.notes[0].reason == entry.note
+        if entry.key in ON_VALUES:
+            path.write_text(yaml.safe_dump({entry.key: ON_VALUES[entry.key]}))
+            assert f"{entry.key} (" in "\n".join(problems_of(host, config_file=str(path)))
+    else:
+        path.write_text(yaml.safe_dump({entry.key: "something"}))
+        text = "\n".join(problems_of(host, config_file=str(path)))
+        assert entry.key in text and entry.note in text
