@@ -268,9 +268,9 @@ def test_ddp_options_from_file_flags_and_accelerate_enum(host, tmp_path):
         FP16 = "fp16"
         POWER_SGD = "power_sgd"
 
-    kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.POWER_SGD, comm_wrapper="BF16",
+    kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.POWER_SGD, comm_wrapper="FP16",
                                            comm_state_option={"matrix_approximation_rank": 2})
-    assert kwargs.comm_hook == "power_sgd" and kwargs.comm_wrapper == "bf16"
+    assert kwargs.comm_hook == "power_sgd" and kwargs.comm_wrapper == "fp16"
     path = write(tmp_path, "ddp.yaml", "distributed_type: MULTI_GPU\nddp_config:\n  bucket_cap_mb: 50\n")
     config = resolve(host, path, arguments={"ddp_config": kwargs},
                      flags={"ddp_config.static_graph": ("true", "--ddp_static_graph")})
@@ -429,7 +429,8 @@ def test_plugins_json_lists_strategies_as_unavailable_without_runtime():
     result = run_cli("plugins", "--json")
     assert result.returncode == 0, result.stderr
     rows = {(r["kind"], r["name"]): r for r in json.loads(result.stdout)["plugins"]}
-    for name, dist in (("ddp", "torchrig-ddp"), ("fsdp", "torchrig-fsdp"), ("deepspeed", "torchrig-deepspeed")):
+    assert rows[("strategy", "ddp")]["status"] == "available"  # its runtime exists
+    for name, dist in (("fsdp", "torchrig-fsdp"), ("deepspeed", "torchrig-deepspeed")):
         row = rows[("strategy", name)]
         assert row["status"] == "unavailable" and row["distribution"] == dist and row["summary"]
         assert "no runtime entry point" in row["reason"]

@@ -31,6 +31,7 @@ _LAZY = {
     "ProcessGuard": "torchrig.testing.processes",
     "leftover_processes": "torchrig.testing.processes",
     "make_host": "torchrig.testing.hosts",
+    "StrategyContract": "torchrig.testing.contracts",
 }
 
 __all__ = sorted(_LAZY)

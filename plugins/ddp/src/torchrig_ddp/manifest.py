@@ -67,6 +67,11 @@ def ddp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
         problems.append(ConfigProblem(f"{SECTION}.comm_wrapper", (
             f"{wrapper!r} needs a PowerSGD hook to wrap, but comm_hook is {hook!r}; set comm_hook: power_sgd "
             "(or batched_power_sgd), or comm_wrapper: no")))
+    bf16_key = f"{SECTION}.comm_hook" if hook == "bf16" else f"{SECTION}.comm_wrapper" if wrapper == "bf16" else None
+    if bf16_key and (config.get("use_cpu") or not _cuda_available()):
+        problems.append(ConfigProblem(bf16_key, (
+            "bf16 gradient compression needs CUDA 11+ with NCCL 2.10+ (torch's bf16 compress hook refuses gloo); "
+            "this run has no CUDA device: use fp16 compression, or none")))
     if state:
         if hook not in POWER_SGD_HOOKS:
             problems.append(ConfigProblem(f"{SECTION}.comm_state_option", (
@@ -75,6 +80,13 @@ def ddp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
         else:
             problems.extend(_power_sgd_state_problems(state))
     return problems
+
+
+def _cuda_available() -> bool:
+    """Imported lazily: only when a bf16 hook is configured."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _power_sgd_state_problems(state: Mapping[str, Any]) -> list[ConfigProblem]:

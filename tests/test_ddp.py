@@ -1,0 +1,107 @@
+"""The ddp strategy on two real gloo ranks: communication, hooks, data and metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrig.testing.contracts import rank_environment
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _accumulation_comm(ctx, micro_steps):
+    """Count, per backward, whether DDP's communication hook fired."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from torchrig import Accelerator
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=micro_steps)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+        calls = []
+
+        def counting_allreduce(state, bucket):
+            calls.append(1)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_allreduce)
+        per_backward = []
+        for cycle in range(2):
+            for micro in range(micro_steps):
+                before = len(calls)
+                with accelerator.accumulate(model):
+                    x = torch.randn(8, 256)
+                    accelerator.backward(model(x).pow(2).mean())
+                    optimizer.step()
+                    optimizer.zero_grad()
+                per_backward.append(len(calls) - before)
+        return accelerator.strategy, per_backward
+
+
+def test_accumulation_communicates_only_on_the_optimizer_step(gloo_pool):
+    for strategy, per_backward in gloo_pool.run(_accumulation_comm, 4, timeout=120):
+        assert strategy == "ddp"  # the default for two processes
+        micro = per_backward[:3] + per_backward[4:7]
+        assert micro == [0] * 6, per_backward  # no gradient communication on the micro-steps
+        assert per_backward[3] >= 1 and per_backward[7] == per_backward[3], per_backward  # one round of buckets
+
+
+def _gather_for_metrics(ctx):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from torchrig import Accelerator
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True)
+        loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=4))
+        seen, local = [], []
+        for (batch,) in loader:
+            local.append(batch.shape[0])
+            seen.append(accelerator.gather_for_metrics(batch))
+        objects = accelerator.gather_for_metrics([f"r{ctx.rank}"], use_gather_object=True)
+        return torch.cat(seen).tolist(), local, objects
+
+
+def test_gather_for_metrics_counts_each_sample_exactly_once_on_an_uneven_last_batch(gloo_pool):
+    for seen, local, objects in gloo_pool.run(_gather_for_metrics, timeout=120):
+        assert local == [4, 4]  # even batches: every rank gets the same number and size of batches
+        assert sorted(seen) == list(range(10))  # the 6 repeated samples of the last batch are dropped
+        assert objects == ["r0", "r1"]
+
+
+def _comm_hook_and_frozen(ctx, hook):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from torchrig import Accelerator
+    from torchrig_ddp.options import DistributedDataParallelKwargs
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=hook, bucket_cap_mb=1)])
+        torch.manual_seed(0)
+        student, teacher = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2).requires_grad_(False)
+        student, teacher, optimizer = accelerator.prepare(student, teacher, torch.optim.SGD(student.parameters(), lr=0.1))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank))
+        accelerator.backward((student(x) - teacher(x)).pow(2).mean())
+        optimizer.step()
+        return (isinstance(student, DistributedDataParallel), isinstance(teacher, DistributedDataParallel),
+                accelerator.unwrap_model(student).weight.detach().tolist(), accelerator.config.source("ddp_config.comm_hook").layer.name)
+
+
+@pytest.mark.parametrize("hook", ["fp16", "power_sgd"])
+def test_comm_hooks_and_a_frozen_teacher(gloo_pool, hook):
+    (s0, t0, w0, source), (s1, t1, w1, _) = gloo_pool.run(_comm_hook_and_frozen, hook, timeout=120)
+    assert (s0, t0) == (True, False)  # the frozen teacher is not wrapped (DDP refuses it)
+    assert w0 == w1  # compressed gradients still give one model
+    assert source == "ARGUMENT"
+
+
+def test_bf16_compression_is_refused_before_training_without_cuda():
+    from torchrig.config.resolve import resolve_config
+    from torchrig.errors import ConfigError
+    from torchrig.testing import make_host
+
+    with pytest.raises(ConfigError, match="ddp_config.comm_hook.*bf16 gradient compression needs CUDA"):
+        resolve_config(make_host(), arguments={"strategy": "ddp", "use_cpu": True, "ddp_config": {"comm_hook": "bf16"}},
+                       environ={}, flags={}, default_file=False)
