@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import json
 import math
 import os
@@ -16,29 +18,7 @@ from hypothesis import strategies as st
 from torchrig.config.loader import Document, Mark, load_file, load_text, resolve_extends
 from torchrig.errors import ConfigError
 
-FSDP_CONFIG = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-downcast_bf16: 'no'
-fsdp_config:
-  fsdp_auto_wrap_policy: TRANSFORMER_LAYER
-  fsdp_backward_prefetch: BACKWARD_PRE
-  fsdp_forward_prefetch: false
-  fsdp_offload_params: false
-  fsdp_sharding_strategy: FULL_SHARD
-  fsdp_state_dict_type: FULL_STATE_DICT
-  fsdp_sync_module_states: true
-  fsdp_use_orig_params: true
-machine_rank: 0
-main_process_ip: null
-main_process_port: null
-mixed_precision: bf16
-num_machines: 1
-num_processes: 8
-rdzv_backend: null
-same_network: true
-use_cpu: false
-"""
+FSDP_CONFIG = (pathlib.Path(__file__).parent / "data" / "accelerate_fsdp_config.yaml").read_text()
 
 MULTI_GPU_CONFIG = """\
 compute_environment: LOCAL_MACHINE

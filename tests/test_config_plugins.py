@@ -8,6 +8,8 @@ at most once (its import costs seconds); torch-freedom is checked in a subproces
 
 from __future__ import annotations
 
+import pathlib
+
 import argparse
 import enum
 import json
@@ -28,29 +30,7 @@ from torchrig_deepspeed import config_checks
 from torchrig_deepspeed.options import DeepSpeedPlugin
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
-SEED_FSDP = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-downcast_bf16: 'no'
-fsdp_config:
-  fsdp_auto_wrap_policy: TRANSFORMER_LAYER
-  fsdp_backward_prefetch: BACKWARD_PRE
-  fsdp_forward_prefetch: false
-  fsdp_offload_params: false
-  fsdp_sharding_strategy: FULL_SHARD
-  fsdp_state_dict_type: FULL_STATE_DICT
-  fsdp_sync_module_states: true
-  fsdp_use_orig_params: true
-machine_rank: 0
-main_process_ip: null
-main_process_port: null
-mixed_precision: bf16
-num_machines: 1
-num_processes: 8
-rdzv_backend: null
-same_network: true
-use_cpu: false
-"""
+SEED_FSDP = (pathlib.Path(__file__).parent / "data" / "accelerate_fsdp_config.yaml").read_text()
 
 MULTI_GPU = """\
 compute_environment: LOCAL_MACHINE

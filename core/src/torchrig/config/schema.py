@@ -106,6 +106,18 @@ def between(low: float, high: float) -> Callable[[Any, attrs.Attribute, Any], No
     return check
 
 
+def class_names(value: Any) -> Any:
+    """Normaliser for options naming classes: classes from Python (``LlamaDecoderLayer``) become
+    their names, ``"A,B"`` becomes ``["A", "B"]``; anything else is left for coercion to judge."""
+    if isinstance(value, type):
+        return [value.__name__]
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [v.__name__ if isinstance(v, type) else v for v in value]
+    return value
+
+
 def enum_name(value: Any) -> Any:
     """Accept a Python enum member where a string is expected (``ShardingStrategy.FULL_SHARD``)."""
     return value.name if isinstance(value, enum.Enum) else value
@@ -341,6 +353,7 @@ __all__ = [
     "at_least",
     "between",
     "build_options",
+    "class_names",
     "coerce",
     "enum_name",
     "field_specs",

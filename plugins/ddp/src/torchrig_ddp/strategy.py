@@ -43,16 +43,22 @@ class DDPStrategy:
         def get(field: str, default: Any = None) -> Any:
             return run.option(f"{SECTION}.{field}", default)
 
+        extra: dict[str, Any] = {}
+        if not get("broadcast_buffers", True):
+            # torch 2.13 deprecates the argument, but only `broadcast_buffers=False` also skips the
+            # buffer sync at construction, which is what this option has always meant; True is
+            # DDP's default and is not passed (no deprecation warning).
+            extra["broadcast_buffers"] = False
         ddp = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             output_device=device.index if device.type == "cuda" else None,
             dim=get("dim", 0),
-            broadcast_buffers=get("broadcast_buffers", True),
             bucket_cap_mb=get("bucket_cap_mb", 25),
             find_unused_parameters=get("find_unused_parameters", False),
             gradient_as_bucket_view=get("gradient_as_bucket_view", False),
             static_graph=get("static_graph", False),
+            **extra,
         )
         _register_comm_hook(ddp, get("comm_hook", "no"), get("comm_wrapper", "no"), get("comm_state_option") or {})
         prepared.model = ddp

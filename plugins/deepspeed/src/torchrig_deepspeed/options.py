@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from torchrig.config.schema import at_least, between, option
+from torchrig.config.schema import at_least, between, class_names, option
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 #: The only ``deepspeed_multinode_launcher`` torchrig has: ``torchrig launch`` on each machine.
@@ -68,17 +68,6 @@ def _hostfile(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _offload_device(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and value not in OFFLOAD_DEVICES:
         raise ValueError(f"must be one of {', '.join(OFFLOAD_DEVICES)}, got {value!r}", attribute)
-
-
-def _class_names(value: Any) -> Any:
-    """Classes from Python -> names; ``"A,B"`` -> ``["A", "B"]``."""
-    if isinstance(value, type):
-        return [value.__name__]
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [v.__name__ if isinstance(v, type) else v for v in value]
-    return value
 
 
 @attrs.frozen(kw_only=True)
@@ -134,7 +123,7 @@ class DeepSpeedPlugin:
         validator=_hostfile)
     deepspeed_moe_layer_cls_names: list[str] | None = option(
         None, help="Mixture-of-Experts layer class names (comma-separated) that ZeRO-3 treats as leaf modules",
-        aliases=("transformer_moe_cls_names",), normalize=_class_names, converter=_class_names)
+        aliases=("transformer_moe_cls_names",), normalize=class_names, converter=class_names)
     force_ds_cpu_optimizer: bool = option(
         False, help="DeepSpeed's zero_force_ds_cpu_optimizer: with CPU offload, refuse a torch optimizer and demand "
                     "DeepSpeedCPUAdam. Off by default (DeepSpeed's default is on): torchrig lets a script's own torch "

@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from torchrig.config.schema import at_least, enum_name, option, suggest
+from torchrig.config.schema import at_least, class_names, enum_name, option, suggest
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
@@ -160,17 +160,6 @@ def _min_num_params(value: Any) -> Any:
     return value
 
 
-def _class_names(value: Any) -> Any:
-    """Classes (``LlamaDecoderLayer``) from Python -> their names; ``"A,B"`` -> ``["A", "B"]``."""
-    if isinstance(value, type):
-        return [value.__name__]
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [v.__name__ if isinstance(v, type) else v for v in value]
-    return value
-
-
 def _as_mapping(value: Any) -> Any:
     """A torch config object (``FullStateDictConfig(...)``, ``MixedPrecision(...)``, dataclasses) -> dict."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -270,8 +259,8 @@ class FullyShardedDataParallelPlugin:
     transformer_layer_cls_to_wrap: list[str] | None = option(
         None, help="class names wrapped by TRANSFORMER_BASED_WRAP (a list or comma-separated); default: the model's "
                    "_no_split_modules",
-        aliases=_fsdp("transformer_layer_cls_to_wrap", "transformer_cls_names_to_wrap"), normalize=_class_names,
-        converter=_class_names)
+        aliases=_fsdp("transformer_layer_cls_to_wrap", "transformer_cls_names_to_wrap"), normalize=class_names,
+        converter=class_names)
     min_num_params: int = option(
         DEFAULT_MIN_NUM_PARAMS, help="SIZE_BASED_WRAP: wrap submodules with at least this many parameters "
                                      f"(default {DEFAULT_MIN_NUM_PARAMS:.0e}, torch's default; 0: the root only)",
