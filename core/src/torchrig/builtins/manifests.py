@@ -50,8 +50,35 @@ class DEVICE_CUDA(_Device):
     priority = 100
 
 
-class CLUSTER_TORCHELASTIC(PluginManifest):
+# Cluster environments, asked in descending priority (torchrig.builtins.clusters explains why):
+# torchelastic 50 > slurm 40 > mpi 30 > local -100 > the core default (one process).
+
+
+class _Cluster(PluginManifest):
     api_version = HOOK_API_VERSION
-    summary = "workers started by torch elastic (torchrun, torchrig launch): RANK, WORLD_SIZE, MASTER_ADDR..."
     install_hint = "torchrig"
+
+
+class CLUSTER_TORCHELASTIC(_Cluster):
+    summary = ("workers started by torch elastic (torchrun, torchrig launch): RANK, WORLD_SIZE, MASTER_ADDR...; "
+               "priority 50, asked first: its workers inherit the SLURM_*/OMPI_* of the agent that started them")
     priority = 50
+
+
+class CLUSTER_SLURM(_Cluster):
+    summary = ("one process per srun task: SLURM_PROCID, SLURM_NTASKS...; master = MASTER_ADDR or the step's first "
+               "node, port = MASTER_PORT or 10000 + SLURM_JOB_ID % 20000; priority 40, after torchelastic, before mpi; "
+               "declines in the batch script, an salloc/interactive shell and under mpirun")
+    priority = 40
+
+
+class CLUSTER_MPI(_Cluster):
+    summary = ("one process per MPI rank (Open MPI OMPI_COMM_WORLD_*, MVAPICH2 MV2_*, MPICH/Intel MPI PMI_RANK); "
+               "MASTER_ADDR and MASTER_PORT exported with mpirun -x; priority 30, after torchelastic and slurm")
+    priority = 30
+
+
+class CLUSTER_LOCAL(_Cluster):
+    summary = ("one process, rank 0 of 1, ignoring leftover RANK/WORLD_SIZE/SLURM_* variables: select it with "
+               "`cluster: local`; priority -100, below every real environment, so auto-detection never picks it over one")
+    priority = -100
