@@ -105,3 +105,47 @@ def test_bf16_compression_is_refused_before_training_without_cuda():
     with pytest.raises(ConfigError, match="ddp_config.comm_hook.*bf16 gradient compression needs CUDA"):
         resolve_config(make_host(), arguments={"strategy": "ddp", "use_cpu": True, "ddp_config": {"comm_hook": "bf16"}},
                        environ={}, flags={}, default_file=False)
+
+
+def _collectives_under_ddp(ctx):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from torchrig import Accelerator
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True)
+        ragged = torch.full((ctx.rank + 1, 2), float(ctx.rank))
+        padded = accelerator.pad_across_processes(ragged, dim=0, pad_index=-1)
+        with accelerator.split_between_processes(list(range(5)), apply_padding=True) as share:
+            mine = share
+        total = accelerator.reduce(torch.tensor([1.0 + ctx.rank]), "mean")
+        first = []
+        with accelerator.main_process_first():
+            first.append(ctx.rank)
+        if ctx.rank == 1:
+            accelerator.set_trigger()
+        triggered = accelerator.check_trigger()
+
+        # Uneven inputs: rank 1 has one batch more; Join keeps DDP's collectives from hanging.
+        model = torch.nn.Linear(4, 1)
+        model, optimizer, loader = accelerator.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1),
+            DataLoader(TensorDataset(torch.randn(6, 4, generator=torch.Generator().manual_seed(0))), batch_size=2))
+        steps = 0
+        with accelerator.join_uneven_inputs([model], even_batches=False):
+            for (x,) in loader:
+                accelerator.backward(model(x).sum())
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
+        return padded.tolist(), mine, total.item(), triggered, steps, loader.even_batches
+
+
+def test_accelerator_collectives_and_join_uneven_inputs_on_two_ranks(gloo_pool):
+    (p0, s0, m0, t0, n0, e0), (p1, s1, m1, t1, n1, e1) = gloo_pool.run(_collectives_under_ddp, timeout=120)
+    assert p0 == [[0.0, 0.0], [-1.0, -1.0]] and p1 == [[1.0, 1.0], [1.0, 1.0]]
+    assert s0 == [0, 1, 2] and s1 == [3, 4, 4]  # contiguous shares, the shorter one padded
+    assert m0 == m1 == 1.5
+    assert t0 is True and t1 is True
+    assert (n0, n1) == (2, 1)  # 3 batches of 2 over 2 ranks, no padding: rank 0 gets two
+    assert e0 is True and e1 is True  # restored after the block

@@ -629,6 +629,33 @@ class Accelerator:
 
     clear = free_memory
 
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: bool | None = None) -> Iterator[None]:
+        """Train on inputs of different lengths per rank: ranks that run out of data keep
+        shadowing the others' collectives (``torch.distributed.algorithms.Join``) instead of
+        hanging them. ``joinables`` are prepared models (a DDP module is joinable) or other
+        ``Joinable`` objects; ``even_batches`` temporarily overrides the prepared dataloaders'
+        padding (False lets ranks see different numbers of batches)."""
+        if self.num_processes <= 1:
+            yield
+            return
+        from torch.distributed.algorithms import Join, Joinable
+
+        not_joinable = [type(j).__name__ for j in joinables if not isinstance(j, Joinable)]
+        if not_joinable:
+            raise TypeError(f"join_uneven_inputs: {', '.join(not_joinable)} cannot join uneven inputs (not a "
+                            f"torch Joinable); the {self.strategy!r} strategy's prepared models may not support it")
+        saved = [(loader, loader.even_batches) for loader in self._dataloaders if hasattr(loader, "even_batches")]
+        try:
+            if even_batches is not None:
+                for loader, _ in saved:
+                    loader.even_batches = even_batches
+            with Join(list(joinables)):
+                yield
+        finally:
+            for loader, value in saved:
+                loader.even_batches = value
+
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         from torchrig.data import skip_first_batches
 

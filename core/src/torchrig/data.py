@@ -555,7 +555,7 @@ class PreparedDataLoader:
         self.num_processes = num_replicas
         self.process_index = rank
         self.split_batches = split_batches
-        self.even_batches = even_batches
+        self._even_batches = bool(even_batches)
         self.collectives = collectives
         self.gradient_state = gradient_state if gradient_state is not None else GradientState()
         #: Set while this loader's last batch of a pass is being processed.
@@ -699,6 +699,18 @@ class PreparedDataLoader:
         if name == "base_dataloader" or name.startswith("__"):  # unset during unpickling / copying
             raise AttributeError(name)
         return getattr(self.base_dataloader, name)
+
+    @property
+    def even_batches(self) -> bool:
+        """Whether ranks get equally many, equally sized batches (padding from the epoch start);
+        settable between passes (``Accelerator.join_uneven_inputs(even_batches=False)``)."""
+        return self._even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self._even_batches = bool(value)
+        if "_layout" in self.__dict__:
+            self._layout = attrs.evolve(self._layout, even=self._even_batches and self._layout.world > 1)
 
     def __len__(self) -> int:
         """This rank's batches in one epoch (minus the batches a pending
