@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -161,6 +162,7 @@ def test_launch_default_runs_workers_with_torch_elastic(tmp_path, process_guard,
         from torchrig.types import LaunchPlan
         host = make_host()
         plan = LaunchPlan(command=[sys.executable, {str(script)!r}, {str(tmp_path)!r}], nproc_per_node=2,
+                          log_dir={str(tmp_path / "logs")!r},
                           env={{"OMP_NUM_THREADS": "1"{', "FAIL_RANK": "1"' if fail else ''}}})
         sys.exit(host.hook.torchrig_launch(plan=plan))
         """
@@ -172,3 +174,8 @@ def test_launch_default_runs_workers_with_torch_elastic(tmp_path, process_guard,
     assert proc.returncode == (1 if fail else 0), output
     for rank in range(2):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "2 [0, 1] 1"
+    status = json.loads((tmp_path / "logs" / "run_status.json").read_text())  # even without the wrapper
+    assert status["state"] == ("failed" if fail else "finished")
+    assert status["exit_codes"]["1"] == (3 if fail else 0)
+    if fail:  # rank 0 may be done, or torn down (SIGTERM) if it had not exited yet
+        assert status["culprit"] == 1 and "rank 1 failed first (exit code 3: exited with code 3)" in output

@@ -154,6 +154,8 @@ class LaunchPlan:
     """Everything needed to start the workers of one node. Built by ``torchrig launch``."""
 
     #: The command each worker runs: ``[sys.executable, "-u", script, *args]`` or a binary.
+    #: ``torchrig launch`` passes its per-rank wrapper (``python -u -m torchrig.launch.worker
+    #: ... -- script args``), which records each rank's fate in ``log_dir``.
     command: Sequence[str]
     nproc_per_node: int = 1
     num_nodes: int = 1
@@ -163,8 +165,22 @@ class LaunchPlan:
     run_id: str = "torchrig"
     max_restarts: int = 0
     monitor_interval: float = 0.1
+    #: Where status files (``rank-N.status.json``, ``run_status.json``) and per-rank logs go;
+    #: None: a fresh temporary directory.
     log_dir: str | None = None
     env: Mapping[str, str] = attrs.field(factory=dict)
+    #: Streams copied to ``<log_dir>/attempt-K/rank-N.{stdout,stderr}.log`` and printed with a
+    #: ``[rankN]: `` prefix: 0 none (workers write to the console directly), 1 stdout, 2 stderr, 3 both.
+    tee: int = 3
+    #: Seconds workers get to stop after the launcher forwards SIGTERM/SIGINT, before SIGKILL.
+    shutdown_grace_s: float = 10.0
+    #: Address the workers use to reach the machine of rank 0 (``main_process_ip``); None:
+    #: 127.0.0.1 on one machine, else the rendezvous endpoint's host.
+    master_addr: str | None = None
+    #: Extra rendezvous options for torch elastic (``join_timeout``, ``read_timeout``...).
+    rdzv_configs: Mapping[str, Any] = attrs.field(factory=dict)
+    #: Problems found before the launch that did not stop it; repeated in the summary.
+    warnings: Sequence[str] = ()
 
 
 class StashKey(Generic[T]):

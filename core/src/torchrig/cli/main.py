@@ -1,4 +1,4 @@
-"""``torchrig`` console script: subcommands ``plugins`` and ``env``.
+"""``torchrig`` console script: subcommands ``plugins``, ``env``, ``config`` and ``launch``.
 
 Usage and plugin errors print one message and exit with code 2 — never a traceback.
 """
@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # `config` parses its own arguments: its flags come from the installed plugins (see main()).
     sub.add_parser("config", help="write the machine's default config; `config show` / `config validate`")
+    # `launch` too: its flags come from the plugins, and everything after the script is the script's.
+    sub.add_parser("launch", help="run a script on N processes (torch elastic); `torchrig launch --help`")
 
     env = sub.add_parser("env", help="versions, devices and settings to paste into a bug report")
     env.add_argument("--json", action="store_true", help="machine-readable output")
@@ -58,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["config"]:
         return _guarded("config", lambda: _run_config(argv[1:]))
+    if argv[:1] == ["launch"]:
+        return _guarded("launch", lambda: _run_launch(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
@@ -70,6 +74,12 @@ def _run_config(argv: list[str]) -> int:
     from torchrig.cli.config import run_config
 
     return run_config(argv)
+
+
+def _run_launch(argv: list[str]) -> int:
+    from torchrig.launch.cli import main as launch_main
+
+    return launch_main(argv)
 
 
 def _guarded(command: str, run: Callable[[], int]) -> int:
