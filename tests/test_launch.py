@@ -481,3 +481,21 @@ def test_an_accelerator_script_runs_on_two_cpu_processes_with_ddp(tmp_path, proc
     assert code == 0, err
     for rank in (0, 1):
         assert (out / f"rank{rank}.txt").read_text() == f"{rank} 2 DistributedDataParallel"
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_ddp_over_nccl_on_every_visible_gpu(tmp_path, process_guard):
+    """The GPU tier: one worker per visible GPU, the cuda device plugin, nccl, DDP."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    out = outdir(tmp_path)
+    code, _, err = run(tmp_path, process_guard, "--num_processes", str(gpus), "--strategy", "ddp", "--mixed_precision",
+                       "bf16", "--log_dir", str(tmp_path / "logs"), str(SCRIPTS / "accelerate_ddp.py"), str(out))
+    track_workers(out, process_guard)
+    assert code == 0, err
+    for rank in range(gpus):
+        assert (out / f"rank{rank}.txt").read_text() == f"{rank} {gpus} " + (
+            "DistributedDataParallel" if gpus > 1 else "Linear")
