@@ -20,24 +20,7 @@ from torchrig.errors import ConfigError
 
 FSDP_CONFIG = (pathlib.Path(__file__).parent / "data" / "accelerate_fsdp_config.yaml").read_text()
 
-MULTI_GPU_CONFIG = """\
-compute_environment: LOCAL_MACHINE
-debug: false
-distributed_type: MULTI_GPU
-downcast_bf16: 'no'
-gpu_ids: all
-machine_rank: 0
-main_training_function: main
-mixed_precision: no
-num_machines: 1
-num_processes: 4
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+MULTI_GPU_CONFIG = (pathlib.Path(__file__).parent / "data" / "accelerate_multi_gpu_config.yaml").read_text()
 
 
 def write(tmp_path, name, text):

@@ -32,24 +32,7 @@ from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
 SEED_FSDP = (pathlib.Path(__file__).parent / "data" / "accelerate_fsdp_config.yaml").read_text()
 
-MULTI_GPU = """\
-compute_environment: LOCAL_MACHINE
-debug: false
-distributed_type: MULTI_GPU
-downcast_bf16: 'no'
-gpu_ids: all
-machine_rank: 0
-main_training_function: main
-mixed_precision: no
-num_machines: 1
-num_processes: 4
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+MULTI_GPU = (pathlib.Path(__file__).parent / "data" / "accelerate_multi_gpu_config.yaml").read_text()
 
 #: A Hugging Face style DeepSpeed config: "auto" everywhere the runtime fills values in.
 HF_DS_CONFIG = {
