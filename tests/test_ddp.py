@@ -149,3 +149,22 @@ def test_accelerator_collectives_and_join_uneven_inputs_on_two_ranks(gloo_pool):
     assert t0 is True and t1 is True
     assert (n0, n1) == (2, 1)  # 3 batches of 2 over 2 ranks, no padding: rank 0 gets two
     assert e0 is True and e1 is True  # restored after the block
+
+
+def _timeout_for_later_groups(ctx):
+    import datetime
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from torchrig import Accelerator, InitProcessGroupKwargs
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=900)])
+        group = dist.new_group(ranks=[0, 1])
+        dist.barrier(group=group)  # the new group works
+        return c10d._get_default_timeout(dist.Backend.GLOO) == datetime.timedelta(seconds=900)
+
+
+def test_the_configured_timeout_applies_to_groups_created_later(gloo_pool):
+    assert gloo_pool.run(_timeout_for_later_groups, timeout=120) == [True, True]

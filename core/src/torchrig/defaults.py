@@ -21,6 +21,17 @@ if TYPE_CHECKING:  # pragma: no cover
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 
 
+def apply_timeout_to_later_groups(timeout: Any) -> None:
+    """One collective timeout for every process group: groups created later without an explicit
+    timeout (``new_group``, device meshes) take torch's process-wide defaults, so set those too
+    (Accelerate applies the user's timeout to the default group only: accelerate#2236, #3711)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    if getattr(c10d, "default_pg_nccl_timeout", None) is not None:
+        c10d.default_pg_nccl_timeout = timeout
+
+
 class CoreDefaults:
     """What the core does when no plugin answers."""
 
@@ -48,6 +59,9 @@ class CoreDefaults:
 
         import torch.distributed as dist
 
+        timeout = datetime.timedelta(
+            seconds=float(run.option("init_process_group_kwargs.timeout", DEFAULT_COLLECTIVE_TIMEOUT_S)))
+        apply_timeout_to_later_groups(timeout)
         if dist.is_initialized():
             if dist.get_world_size() != run.cluster.world_size:
                 raise RuntimeError(
@@ -56,14 +70,13 @@ class CoreDefaults:
                 )
             return True
         assert run.device is not None
-        timeout = float(run.option("init_process_group_kwargs.timeout", DEFAULT_COLLECTIVE_TIMEOUT_S))
         dist.init_process_group(
             backend=run.option("init_process_group_kwargs.backend") or run.device.dist_backend,
             init_method=run.option("init_process_group_kwargs.init_method")
             or f"tcp://{run.cluster.master_addr}:{run.cluster.master_port}",
             rank=run.cluster.rank,
             world_size=run.cluster.world_size,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=timeout,
         )
         return True
 
