@@ -404,3 +404,12 @@ def test_device_placement_false_leaves_batches_alone_and_gradient_accumulation_k
     assert configured.gradient_accumulation_steps == 3 and configured.gradient_state.sync_each_batch
     with pytest.raises(ConfigError, match="gradient_accumulation_kwargs.num_step"):
         Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(gradient_accumulation_kwargs={"num_step": 3}))
+
+
+def test_autocast_handler_disables_inside_the_models_autocast_and_sets_the_cache():
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    with accelerator.autocast():
+        with accelerator.autocast(AutocastKwargs(enabled=False)):
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    with accelerator.autocast(AutocastKwargs(cache_enabled=False)):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16

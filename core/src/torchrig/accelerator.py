@@ -442,16 +442,13 @@ class Accelerator:
         return any(optimizer.step_was_skipped for optimizer in self._optimizers)
 
     def autocast(self, autocast_handler: Any = None) -> Any:
-        """The precision plugin's autocast, for computation outside the model's forward."""
-        if autocast_handler is not None:
-            import torch
-
-            if autocast_handler.enabled is False or self.mixed_precision == "no":
-                return contextlib.nullcontext()
-            kwargs = {} if autocast_handler.cache_enabled is None else {"cache_enabled": autocast_handler.cache_enabled}
-            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.mixed_precision)
-            return torch.autocast(device_type=self.device.type, dtype=dtype, **kwargs)
-        return (self._plan or self._step_plan()).autocast()
+        """The precision plugin's autocast, for computation outside the model's forward.
+        ``autocast_handler`` (``AutocastKwargs``) adjusts it for this block: ``enabled=False``
+        turns autocast off, ``cache_enabled`` sets the weight cache."""
+        plan_autocast = (self._plan or self._step_plan()).autocast
+        if autocast_handler is None:
+            return plan_autocast()
+        return _adjusted_autocast(plan_autocast, self.device.type, autocast_handler)
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Make gradients true-scale (fp16) before inspecting or clipping them."""
@@ -483,8 +480,6 @@ class Accelerator:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather for evaluation: on the last batch of a prepared dataloader, drop the samples
         repeated to make batches even, so metrics count every sample exactly once."""
-        import torch
-
         from torchrig.collectives import recursively_apply
 
         tensors_only = not use_gather_object and _all_tensors(input_data)
@@ -494,7 +489,6 @@ class Accelerator:
             if tensors_only:
                 return recursively_apply(lambda t: t[: state.remainder], data)
             return data[: state.remainder]
-        del torch
         return data
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
@@ -696,6 +690,25 @@ class _AccumulateContext:
         if self.stack is not None:
             stack, self.stack = self.stack, None
             stack.close()
+
+
+@contextlib.contextmanager
+def _adjusted_autocast(plan_autocast: Callable[[], Any], device_type: str, handler: Any) -> Iterator[None]:
+    """The precision plugin's autocast with ``AutocastKwargs`` applied on top, without the core
+    knowing which precision (or dtype) the plugin uses: a nested autocast inherits it."""
+    import torch
+
+    if handler.enabled is False:
+        with torch.autocast(device_type=device_type, enabled=False):
+            yield
+        return
+    with plan_autocast():
+        if handler.cache_enabled is None or not torch.is_autocast_enabled(device_type):
+            yield
+            return
+        with torch.autocast(device_type=device_type, dtype=torch.get_autocast_dtype(device_type),
+                            cache_enabled=handler.cache_enabled):
+            yield
 
 
 def _optimizer_params(optimizer: Any) -> set[int]:

@@ -31,7 +31,7 @@ import attrs
 import pluggy
 
 from torchrig import hookspecs
-from torchrig.discovery import PluginRecord, installed_distributions, load_reference, scan
+from torchrig.discovery import PluginRecord, installed_distributions, load_reference, normalize_distribution_name, scan
 from torchrig.errors import (
     PluginAPIVersionError,
     PluginConflictError,
@@ -344,8 +344,6 @@ class PluginHost:
         info.status, info.reason, info.api_mismatch = PluginStatus.UNAVAILABLE, reason, api_mismatch
 
     def _resolve_conflict(self, info: PluginInfo, wanted_dist: str) -> None:
-        from torchrig.discovery import normalize_distribution_name
-
         wanted = normalize_distribution_name(wanted_dist)
         for record in info.records:
             if normalize_distribution_name(record.distribution) == wanted:

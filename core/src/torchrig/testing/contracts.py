@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 
 import pytest
 
-#: What a task sees as its environment when it plays rank ``rank`` of ``world_size`` (the
-#: variables torch elastic sets); the pool's process group already exists, so the Accelerator's
-#: default process-group setup reuses it and the rendezvous address is never contacted.
 def _elastic_environ(rank: int, world_size: int) -> dict[str, str]:
+    """The variables torch elastic sets for rank ``rank`` of ``world_size``. The pool's process
+    group already exists, so the Accelerator's default process-group setup reuses it and the
+    rendezvous address is never contacted."""
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 

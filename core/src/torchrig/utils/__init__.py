@@ -1,12 +1,12 @@
 """Helpers with Accelerate's names: ``set_seed``, ``find_executable_batch_size``,
-``gather_object``, ``send_to_device``."""
+``release_memory``, ``send_to_device``."""
 
 from __future__ import annotations
 
 import os
 import random
-from typing import Any
 
+from torchrig.data import send_to_device
 from torchrig.utils.memory import find_executable_batch_size, release_memory, should_reduce_batch_size
 
 
@@ -33,17 +33,6 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     if deterministic:
         torch.use_deterministic_algorithms(True)
 
-
-def send_to_device(data: Any, device: Any, non_blocking: bool = False) -> Any:
-    """Move every tensor in a nested structure (and objects with ``.to``, like BatchEncoding)."""
-    from torchrig.collectives import recursively_apply
-
-    if hasattr(data, "to") and not hasattr(data, "dim") and not isinstance(data, (list, tuple, dict)):
-        try:
-            return data.to(device, non_blocking=non_blocking)
-        except TypeError:
-            return data.to(device)
-    return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
 
 
 __all__ = ["find_executable_batch_size", "release_memory", "send_to_device", "set_seed", "should_reduce_batch_size"]
