@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from torchrig.checkpoint import CheckpointWriter
+
 from torchrig.runtime import start_run
 from torchrig.testing import make_host
 from torchrig.types import LaunchPlan, PreparedModel
@@ -44,15 +46,18 @@ def test_plain_state_round_trips_through_a_directory(single_run, tmp_path):
     model(torch.randn(4, 3)).sum().backward()
     optimizer.step()
     prepared = [host.hook.torchrig_prepare_model(run=run, model=model, optimizers=[optimizer], schedulers=[], device_placement=True)]
-    files = host.hook.torchrig_save_strategy_state(run=run, prepared=prepared, directory=str(tmp_path))
-    assert sorted(files) == ["model_0.pt", "optimizer_0_0.pt"]
+    writer = CheckpointWriter(str(tmp_path), rank=0, hashing=True)
+    files = host.hook.torchrig_save_strategy_state(run=run, prepared=prepared, directory=str(tmp_path), writer=writer)
+    assert sorted(files) == ["model.safetensors", "optimizer.bin"]
+    assert [r.path for r in writer.records()] == ["model.safetensors", "optimizer.bin"]
+    assert all(r.size == (tmp_path / r.path).stat().st_size and len(r.sha256) == 64 for r in writer.records())
 
     other = torch.nn.Linear(3, 2)
     other_optimizer = torch.optim.AdamW(other.parameters(), lr=0.1)
     other(torch.randn(4, 3)).sum().backward()
     other_optimizer.step()
     target = [PreparedModel(model=other, unwrapped=other, optimizers=[other_optimizer])]
-    assert host.hook.torchrig_load_strategy_state(run=run, prepared=target, directory=str(tmp_path)) is True
+    assert host.hook.torchrig_load_strategy_state(run=run, prepared=target, directory=str(tmp_path), manifest={}) is True
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)
     assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], other_optimizer.state_dict()["state"][0]["exp_avg"])

@@ -33,7 +33,8 @@ def test_the_catalogue_covers_every_phase():
         "torchrig_collectives", "torchrig_strategy_capabilities", "torchrig_prepare_model",
         "torchrig_prepare_dataloader", "torchrig_prepare_scheduler", "torchrig_precision_step_plan",
         "torchrig_strategy_step_plan", "torchrig_wrap_step_plan", "torchrig_save_strategy_state",
-        "torchrig_load_strategy_state", "torchrig_full_state_dict", "torchrig_checkpoint_committed",
+        "torchrig_load_strategy_state", "torchrig_full_state_dict", "torchrig_checkpoint_state",
+            "torchrig_checkpoint_committed",
         "torchrig_create_trackers", "torchrig_worker_environment", "torchrig_launch",
         "torchrig_configure", "torchrig_unconfigure",
     }

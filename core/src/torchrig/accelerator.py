@@ -21,6 +21,7 @@ import gc
 import sys
 from collections.abc import Callable, Iterator
 
+from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.config.resolve import Layer, ResolvedConfig, Schema, resolve_config
 from torchrig.errors import ConfigError
 from torchrig.gradient_state import gradient_state_of
@@ -196,6 +197,7 @@ class Accelerator:
         self._dataloaders: list[Any] = []
         self._accumulate = _AccumulateContext(self)
         self.flag_tensor: Any = None
+        self._checkpoints = CheckpointManager(self)
 
     def _configure_accumulation(self) -> None:
         """Gradient accumulation settings: ``GradientAccumulationPlugin``, then the fields a
@@ -520,6 +522,8 @@ class Accelerator:
         return recursively_apply(pad, tensor)
 
     def wait_for_everyone(self) -> None:
+        """Barrier; also where a failed asynchronous checkpoint save is raised (every rank)."""
+        self._checkpoints.wait()
         self._collectives.barrier()
 
     @contextlib.contextmanager
@@ -654,6 +658,87 @@ class Accelerator:
         from torchrig.data import skip_first_batches
 
         return skip_first_batches(dataloader, num_batches)
+
+    # -- checkpoints (torchrig.checkpoint; docs/checkpoints.md) -------------------------------
+
+    @property
+    def save_iteration(self) -> int:
+        """Number of the next automatically named checkpoint (restored by ``load_state``)."""
+        return self._checkpoints.iteration
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
+                   overwrite: bool = False, async_save: bool | None = None, hashes: bool | None = None) -> str:
+        """Save models, optimizers, schedulers, scaler, dataloader positions, RNG of every rank,
+        counters and registered objects as one committed checkpoint; returns its directory.
+
+        With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` it is
+        ``<project_dir>/checkpoints/checkpoint_<iteration>`` (``output_dir``, if given, replaces
+        the ``checkpoints`` root) and ``total_limit`` old ones are deleted after the commit.
+        ``async_save`` (default ``ProjectConfiguration.async_save``) returns after the copy to
+        CPU memory; ``hashes`` (default ``checkpoint_hashes``) records sha256 of every file.
+        """
+        return self._checkpoints.save(output_dir, safe_serialization, overwrite=overwrite, async_save=async_save,
+                                      hashes=hashes)
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, *, allow_config_change: bool = False,
+                   allow_world_size_change: bool = False, verify_hashes: bool = False, **_accelerate: Any) -> str:
+        """Load a committed checkpoint — by default the project's newest — into everything
+        prepared and registered; returns its directory. Never starts fresh silently: no
+        checkpoint, a damaged one, or a changed configuration or world size is an error."""
+        if _accelerate:  # Accelerate's load_model_func_kwargs go to its own model loader
+            raise TypeError(f"load_state(): unsupported arguments {sorted(_accelerate)}")
+        return self._checkpoints.load(input_dir, allow_config_change=allow_config_change,
+                                      allow_world_size_change=allow_world_size_change, verify_hashes=verify_hashes)
+
+    def latest_checkpoint(self, root: str | os.PathLike | None = None) -> str | None:
+        """The newest committed checkpoint (default: under ``<project_dir>/checkpoints``), or
+        None — to resume when there is one and start fresh otherwise."""
+        return self._checkpoints.latest(root)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and load these objects (each with ``state_dict``/``load_state_dict``) with every checkpoint."""
+        invalid = [f"#{i} ({type(o).__name__})" for i, o in enumerate(objects)
+                   if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
+        if invalid:
+            raise ValueError(f"register_for_checkpointing: {', '.join(invalid)} lack state_dict()/load_state_dict()")
+        self._checkpoints.custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        """``hook(models, weights, output_dir)`` runs before a save; removing a model (or its
+        weights) from the lists saves that model by the hook alone. Returns a removable handle."""
+        from torch.utils.hooks import RemovableHandle
+
+        handle = RemovableHandle(self._checkpoints.save_pre_hooks)
+        self._checkpoints.save_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        """``hook(models, input_dir)`` runs before a load; removing a model skips loading it."""
+        from torch.utils.hooks import RemovableHandle
+
+        handle = RemovableHandle(self._checkpoints.load_pre_hooks)
+        self._checkpoints.load_pre_hooks[handle.id] = hook
+        return handle
+
+    def save_model(self, model: Any, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> list[str]:
+        """Full weights (gathered from shards) as ``model.safetensors`` or shards with an index;
+        collective. Returns the files written (empty on ranks that write nothing)."""
+        from torchrig.checkpoint.export import parse_size, save_weights
+
+        parse_size(max_shard_size)  # a bad size fails on every rank, before any gathering
+        state = self.get_state_dict(model)
+        writes = self.is_main_process or (self.config["project_config.save_on_each_node"] and self.is_local_main_process)
+        written = save_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization) if writes else []
+        self.wait_for_everyone()
+        return written
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Write ``obj`` once per job (once per node with ``save_on_each_node``), atomically."""
+        from torchrig.checkpoint.export import save_object
+
+        if self.is_main_process or (self.config["project_config.save_on_each_node"] and self.is_local_main_process):
+            save_object(obj, os.fspath(f), safe_serialization)
 
 
 class _AccumulateContext:

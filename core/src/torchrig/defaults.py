@@ -15,6 +15,7 @@ from torchrig.markers import hookimpl
 from torchrig.types import Capabilities, ClusterInfo, LaunchPlan, PreparedModel
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torchrig.checkpoint.files import CheckpointWriter
     from torchrig.run import RunContext
 
 #: Default collective timeout (seconds) for every process group, when the config sets none.
@@ -114,11 +115,11 @@ class CoreDefaults:
 
     @hookimpl(trylast=True)
     def torchrig_save_strategy_state(
-        self, run: RunContext, prepared: Sequence[PreparedModel], directory: str
+        self, run: RunContext, prepared: Sequence[PreparedModel], writer: CheckpointWriter
     ) -> list[str]:
         from torchrig.state_dicts import save_plain_state
 
-        return save_plain_state(run, prepared, directory)
+        return save_plain_state(run, prepared, writer)
 
     @hookimpl(trylast=True)
     def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> bool:

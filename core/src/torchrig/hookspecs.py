@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from torchrig.markers import hookspec
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torchrig.checkpoint.files import CheckpointWriter
     from torchrig.collectives import Collectives
     from torchrig.device import DeviceBackend
     from torchrig.run import RunContext
@@ -320,13 +321,17 @@ def torchrig_wrap_step_plan(run: RunContext, plan: StepPlanBuilder) -> None:
 
 @hookspec(firstresult=True)
 def torchrig_save_strategy_state(
-    run: RunContext, prepared: Sequence[PreparedModel], directory: str
+    run: RunContext, prepared: Sequence[PreparedModel], directory: str, writer: CheckpointWriter
 ) -> list[str] | None:
     """Write model and optimizer state of every prepared model into ``directory``.
 
     ``directory`` is the core's temporary checkpoint directory; the core fsyncs, manifests and
     commits it afterwards (DeepSpeed's own ``latest`` and DCP's metadata are not trusted for
     commit). The core saves everything else (schedulers, RNG, data position, counters).
+    Write through ``writer`` (``save_tensors``, ``save_torch``: fsynced, sized, hashed while
+    streaming, deferred to a background thread for asynchronous saves; ``writer.safe_serialization``
+    says whether weights should be safetensors); files a library writes itself (DCP, DeepSpeed)
+    are returned and the core fsyncs, sizes and hashes them.
 
     - phase: ``save_state``. ranks: every worker, collectively.
     - kind: firstresult (the selected strategy). Plain state dicts are written by the main
@@ -338,9 +343,13 @@ def torchrig_save_strategy_state(
 
 @hookspec(firstresult=True)
 def torchrig_load_strategy_state(
-    run: RunContext, prepared: Sequence[PreparedModel], directory: str
+    run: RunContext, prepared: Sequence[PreparedModel], directory: str, manifest: Mapping[str, Any]
 ) -> bool | None:
     """Load what :func:`torchrig_save_strategy_state` wrote into the prepared objects.
+
+    ``manifest`` is the checkpoint's verified manifest (``world_size`` at save, ``strategy``,
+    ``files``): a strategy that cannot load at another world size says so here, naming the
+    conversion to use.
 
     - phase: ``load_state``, after the core verified the checkpoint's manifest.
     - ranks: every worker, collectively. kind: firstresult.
@@ -358,6 +367,18 @@ def torchrig_full_state_dict(run: RunContext, prepared: PreparedModel) -> dict[s
     - return: the full state dict on the main process (CPU tensors allowed); other ranks may
       return an empty dict.
     - default: the unwrapped module's ``state_dict()``.
+    """
+
+
+@hookspec
+def torchrig_checkpoint_state(run: RunContext) -> Mapping[str, Any] | None:
+    """Objects this plugin owns whose state belongs in every checkpoint (GradScaler, EMA...).
+
+    - phase: ``save_state`` and ``load_state``. ranks: every worker.
+    - kind: collecting. Each object has ``state_dict()``/``load_state_dict()``; the main process
+      writes ``<name>.pt`` and every rank loads it, so objects must be identical across ranks.
+    - return: ``{name: object}``; names are file names and must be unique across plugins.
+    - default: none.
     """
 
 

@@ -65,6 +65,11 @@ class Float16Precision(PrecisionPlugin):
         self.scaler: torch.amp.GradScaler | None = None
 
     @hookimpl
+    def torchrig_checkpoint_state(self, run: RunContext) -> dict[str, Any]:
+        """The loss scale and its growth tracker resume with the run (Accelerate's ``scaler.pt``)."""
+        return {"scaler": self.scaler} if self.scaler is not None else {}
+
+    @hookimpl
     def torchrig_precision_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
         super().torchrig_precision_step_plan(run, plan)
         assert run.device is not None

@@ -101,7 +101,12 @@ class ProjectConfiguration:
     total_limit: int | None = option(None, help="keep at most this many checkpoints", validator=at_least(1))
     iteration: int = option(0, help="number of the next automatic checkpoint", validator=at_least(0))
     iteration_checkpoints: bool = option(False, help="accepted for compatibility with older Accelerate configurations")
-    save_on_each_node: bool = option(False, help="write checkpoints on every node, not only the main one")
+    save_on_each_node: bool = option(False, help="save()/save_model() write on every node, not only the main one "
+                                     "(for disks the nodes do not share)")
+    async_save: bool = option(False, help="torchrig: save_state writes in the background; training waits only for "
+                              "the copy to CPU memory")
+    checkpoint_hashes: bool = option(False, help="torchrig: sha256 of every checkpoint file in the manifest, "
+                                     "computed while writing")
 
 
 @attrs.frozen(kw_only=True)

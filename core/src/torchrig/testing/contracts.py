@@ -156,7 +156,8 @@ def task_clip(ctx: Any, strategy: str, options: Mapping[str, Any]) -> dict[str, 
 
 
 def task_save_load(ctx: Any, strategy: str, options: Mapping[str, Any], directory: str) -> bool:
-    """Strategy-owned state written by ``torchrig_save_strategy_state`` loads back bit-equal."""
+    """``save_state`` → change everything → ``load_state`` gives back bit-equal parameters and
+    optimizer state (through the strategy's checkpoint hooks and the core's commit protocol)."""
     import torch
 
     from torchrig import Accelerator
@@ -168,20 +169,14 @@ def task_save_load(ctx: Any, strategy: str, options: Mapping[str, Any], director
         x, y = _batch(accelerator.process_index)
         accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
         optimizer.step()
-        hook = accelerator._host.hook
-        run, prepared = accelerator._run, accelerator._models
-        if accelerator.is_main_process:
-            os.makedirs(directory, exist_ok=True)
-        accelerator.wait_for_everyone()
-        hook.torchrig_save_strategy_state(run=run, prepared=prepared, directory=directory)
-        accelerator.wait_for_everyone()
+        accelerator.save_state(directory, overwrite=True)
         saved = _flat_params(accelerator.unwrap_model(model))
         saved_state = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items() if torch.is_tensor(v)}
         with torch.no_grad():
             for p in accelerator.unwrap_model(model).parameters():
                 p.add_(1.0)
         optimizer.step()
-        hook.torchrig_load_strategy_state(run=run, prepared=prepared, directory=directory)
+        accelerator.load_state(directory)
         restored = optimizer.state_dict()["state"][0]
         return saved == _flat_params(accelerator.unwrap_model(model)) and all(
             torch.equal(saved_state[k], restored[k]) for k in saved_state)

@@ -1,0 +1,239 @@
+"""Durable checkpoint files: written once, fsynced, sized and (optionally) hashed while streaming.
+
+Every file of a checkpoint goes through a :class:`CheckpointWriter` (the core's own state and the
+strategies' model and optimizer state) or is recorded with :meth:`CheckpointWriter.record` when a
+library wrote it itself (DCP, DeepSpeed). The writer keeps one :class:`FileRecord` per file; the
+commit protocol sends them to rank 0, which writes them into the manifest.
+
+Hashes are computed on the bytes as they are written (a separate read pass costs ~25% of a
+save), and only when asked for. With ``deferred=True`` (asynchronous saves) the writer copies
+the state to CPU memory at once and writes it later from a background thread: the training
+loop waits only for the copy.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from torchrig.checkpoint import faults
+from torchrig.errors import TorchrigError
+
+#: Bytes hashed per ``read`` when a file written by a library is hashed afterwards.
+_READ_CHUNK = 16 * 1024 * 1024
+#: errno values that mean "the disk (or the quota, or the file-size limit) is full".
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class CheckpointError(TorchrigError):
+    """A checkpoint could not be saved, found, verified or loaded. The message names the
+    directory, the file or rank, what is wrong and what to do."""
+
+
+@attrs.frozen
+class FileRecord:
+    """One file of a checkpoint, relative to the checkpoint directory."""
+
+    path: str
+    size: int
+    sha256: str | None = None
+    rank: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"path": self.path, "size": self.size, "rank": self.rank}
+        if self.sha256 is not None:
+            data["sha256"] = self.sha256
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FileRecord:
+        return cls(path=str(data["path"]), size=int(data["size"]), sha256=data.get("sha256"), rank=int(data.get("rank", 0)))
+
+
+def describe_os_error(exc: OSError, path: str) -> str:
+    """A message for a failed write that says what to do about it."""
+    if exc.errno in _NO_SPACE:
+        return (f"no space left while writing {path} ({os.strerror(exc.errno or 0)}); free disk space or lower "
+                "total_limit — the previous checkpoint is intact")
+    return f"cannot write {path}: {exc.strerror or exc}"
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (a directory's fsync makes its entries — renames — durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _StreamingFile:
+    """A binary file that hashes what passes through ``write`` and may die midway (faults)."""
+
+    def __init__(self, path: str, hashing: bool, fault_phase: str | None, rank: int) -> None:
+        self._rank = rank
+        self._handle = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._hash = hashlib.sha256() if hashing else None
+        self._fault_phase = fault_phase
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self._fault_phase is not None and self.size > 0:
+            faults.point(self._fault_phase, self._rank)  # a kill with part of the file on disk
+            self._fault_phase = None
+        if self._hash is not None:
+            self._hash.update(view)
+        written = self._handle.write(view)
+        self.size += len(view)
+        return written
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def close(self) -> str | None:
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+        return self._hash.hexdigest() if self._hash is not None else None
+
+    def abort(self) -> None:
+        self._handle.close()
+
+
+def hash_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _snapshot(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors live in CPU memory and no longer change with training."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return type(obj)((k, _snapshot(v)) for k, v in obj.items()) if type(obj) is not dict else {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        return type(obj)(*map(_snapshot, obj)) if hasattr(obj, "_fields") else tuple(_snapshot(v) for v in obj)
+    return obj
+
+
+class CheckpointWriter:
+    """Writes this rank's files of one checkpoint into ``directory`` and remembers them.
+
+    ``safe_serialization`` says whether model weights should be safetensors (strategies read
+    it); ``hashing`` turns on streaming sha256; ``deferred`` makes every write a CPU snapshot
+    now and a file later (:meth:`flush`).
+    """
+
+    def __init__(self, directory: str, rank: int, *, hashing: bool = False, safe_serialization: bool = True,
+                 deferred: bool = False) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.hashing = hashing
+        self.safe_serialization = safe_serialization
+        self.deferred = deferred
+        self._records: dict[str, FileRecord] = {}
+        self._pending: list[tuple[str, Callable[[Any], None], Any, str | None]] = []
+        self._lock = threading.Lock()
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def save_torch(self, obj: Any, name: str, *, fault_phase: str | None = None) -> str:
+        """``torch.save`` ``obj`` as ``name`` (relative to the checkpoint directory)."""
+        import torch
+
+        return self._write(name, lambda handle, value: torch.save(value, handle), obj, fault_phase)
+
+    def save_tensors(self, tensors: Mapping[str, Any], name: str, metadata: Mapping[str, str] | None = None,
+                     *, fault_phase: str | None = None) -> str:
+        """Write a flat name → tensor mapping as a safetensors file."""
+        from safetensors.torch import save as to_safetensors_bytes
+
+        def write(handle: _StreamingFile, value: Mapping[str, Any]) -> None:
+            handle.write(to_safetensors_bytes(dict(value), metadata=dict(metadata) if metadata else None))
+
+        tensors = {key: value.contiguous() for key, value in tensors.items()}
+        return self._write(name, write, tensors, fault_phase)
+
+    def save_bytes(self, data: bytes, name: str) -> str:
+        return self._write(name, lambda handle, value: handle.write(value), data, None)
+
+    def record(self, name: str) -> FileRecord:
+        """Account for a file a library wrote into the directory itself: fsync, size, hash."""
+        path = os.path.join(self.directory, name)
+        fsync_path(path)
+        record = FileRecord(path=_normalise(name), size=os.path.getsize(path),
+                            sha256=hash_file(path) if self.hashing else None, rank=self.rank)
+        with self._lock:
+            self._records[record.path] = record
+        return record
+
+    def _write(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None) -> str:
+        name = _normalise(name)
+        if self.deferred:
+            self._pending.append((name, write, _snapshot(value), fault_phase))
+        else:
+            self._write_now(name, write, value, fault_phase)
+        return name
+
+    def _write_now(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None) -> None:
+        path = os.path.join(self.directory, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            handle = _StreamingFile(path, self.hashing, fault_phase, self.rank)
+        except OSError as exc:
+            raise CheckpointError(describe_os_error(exc, path)) from exc
+        try:
+            write(handle, value)
+            digest = handle.close()
+        except OSError as exc:
+            handle.abort()
+            raise CheckpointError(describe_os_error(exc, path)) from exc
+        except BaseException:
+            handle.abort()
+            raise
+        with self._lock:
+            self._records[name] = FileRecord(path=name, size=handle.size, sha256=digest, rank=self.rank)
+
+    # -- finishing -------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def flush(self) -> None:
+        """Write what was deferred (the background half of an asynchronous save)."""
+        pending, self._pending = self._pending, []
+        for name, write, value, fault_phase in pending:
+            self._write_now(name, write, value, fault_phase)
+
+    def records(self, extra: list[str] | None = None) -> list[FileRecord]:
+        """Every file this rank wrote; ``extra`` names files written without the writer."""
+        for name in extra or ():
+            if _normalise(name) not in self._records:
+                self.record(name)
+        with self._lock:
+            return sorted(self._records.values(), key=lambda r: r.path)
+
+
+def _normalise(name: str) -> str:
+    name = os.path.normpath(name).replace(os.sep, "/")
+    if name.startswith("../") or name == ".." or os.path.isabs(name):
+        raise ValueError(f"checkpoint file {name!r} must be a path inside the checkpoint directory")
+    return name
+
+
+__all__ = ["CheckpointError", "CheckpointWriter", "FileRecord", "describe_os_error", "fsync_path", "hash_file"]

@@ -1,0 +1,547 @@
+"""``save_state`` / ``load_state``: the whole state of a run, through the commit protocol.
+
+Save (every rank, collectively):
+
+1. rank 0 checks the target (an existing committed checkpoint is refused unless ``overwrite``),
+   removes leftovers of interrupted saves and creates the hidden temporary sibling
+   ``.<name>.tmp-<token>``; the decision is broadcast so every rank fails the same way;
+2. every rank writes its files through a :class:`~torchrig.checkpoint.files.CheckpointWriter`
+   (fsynced, sized, hashed while streaming when hashes are on): the strategy's models and
+   optimizers (``torchrig_save_strategy_state``), and the core's schedulers, dataloader
+   positions, plugin state (``torchrig_checkpoint_state``), custom objects and per-rank RNG;
+3. every rank sends rank 0 its file list, or its error; one failed rank fails the save on all
+   ranks, the temporary directory is removed and the previous checkpoint stays the latest;
+4. rank 0 writes the manifest, renames the directory into place (the commit point; an
+   overwrite is an atomic directory exchange), fsyncs the parent, updates ``latest`` and only
+   then deletes checkpoints beyond ``total_limit``; the outcome is broadcast.
+
+With ``async_save`` step 2 only copies the state to CPU memory; the files, the agreement and the
+commit run on a background thread over a dedicated gloo group, so training never waits on the
+disk and no step makes a collective. A failed background save is raised on every rank at the
+next ``save_state``, ``load_state``, ``wait_for_everyone`` or ``end_training``.
+
+Load trusts only committed (manifested) checkpoints, verifies sizes (and hashes when asked),
+refuses a changed configuration or world size with a diff unless allowed, then restores every
+piece saved, and the automatic-naming iteration so the next save continues the numbering.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torchrig.checkpoint import faults, layout
+from torchrig.checkpoint.files import CheckpointError, CheckpointWriter, FileRecord, fsync_path, hash_file
+from torchrig.checkpoint.state import (
+    capture_rng, describe_dataloader, diff, digest, fingerprint_config, reseed_rng, restore_rng,
+)
+from torchrig.collectives import Collectives
+from torchrig.config.resolve import Schema
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchrig.accelerator import Accelerator
+
+#: Rank-0 phases that other ranks pass while they wait for the commit (see ``faults``).
+_COMMIT_PHASES = ("before_manifest", "before_rename", "before_latest", "before_rotation_delete")
+_PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def _numbered(stem: str, index: int, suffix: str) -> str:
+    """Accelerate's file names: ``optimizer.bin``, ``optimizer_1.bin``..."""
+    return f"{stem}{'' if index == 0 else f'_{index}'}{suffix}"
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+class _PendingSave:
+    """A save whose files and commit are being finished by a background thread."""
+
+    def __init__(self, target: str, work: Callable[[], str]) -> None:
+        self.target = target
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="torchrig-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], str]) -> None:
+        try:
+            work()
+        except BaseException as exc:  # reported to the training thread by join()
+            self.error = exc
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+class CheckpointManager:
+    """The checkpointing half of an :class:`~torchrig.accelerator.Accelerator`."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self._accelerator = accelerator
+        project = accelerator.config.section("project_config")
+        self.iteration = int(project.iteration)
+        self.custom_objects: list[Any] = []
+        self.save_pre_hooks: collections.OrderedDict[int, Callable[..., Any]] = collections.OrderedDict()
+        self.load_pre_hooks: collections.OrderedDict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._pending: _PendingSave | None = None
+        self._group: Any = None
+        self._group_made = False
+
+    # -- where -----------------------------------------------------------------------------
+
+    @property
+    def _project(self) -> Any:
+        return self._accelerator.config.section("project_config")
+
+    def checkpoints_root(self, output_dir: str | os.PathLike[str] | None = None) -> str:
+        if output_dir is not None:
+            return os.path.abspath(os.fspath(output_dir))
+        project_dir = self._project.project_dir
+        if not project_dir:
+            raise CheckpointError("automatic checkpoint naming needs a project directory: pass "
+                                  "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
+        return os.path.abspath(os.path.join(project_dir, "checkpoints"))
+
+    def _target(self, output_dir: str | os.PathLike[str] | None) -> tuple[str, str | None]:
+        """``(checkpoint directory, checkpoints root when automatically named)``."""
+        if self._project.automatic_checkpoint_naming:
+            root = self.checkpoints_root(output_dir)
+            return os.path.join(root, f"{layout.AUTOMATIC_PREFIX}{self.iteration}"), root
+        if output_dir is None:
+            raise CheckpointError("save_state() needs an output directory: pass save_state(output_dir) or enable "
+                                  "ProjectConfiguration(automatic_checkpoint_naming=True) with a project_dir")
+        return os.path.abspath(os.fspath(output_dir)), None
+
+    def latest(self, root: str | os.PathLike[str] | None = None) -> str | None:
+        """The newest committed checkpoint under ``root`` (default: the project's checkpoints)."""
+        return layout.latest_checkpoint(self.checkpoints_root(root))
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def _collectives(self) -> Collectives:
+        """Collectives on a gloo group of its own: CPU objects under any backend, and safe to use
+        from the background thread while training uses the default group."""
+        run = self._accelerator._run
+        world = run.cluster.world_size
+        if world > 1 and not self._group_made:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+            self._group_made = True
+        return Collectives(world, group=self._group)
+
+    # -- save -----------------------------------------------------------------------------
+
+    def save(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, *,
+             overwrite: bool = False, async_save: bool | None = None, hashes: bool | None = None) -> str:
+        """Save everything; returns the checkpoint directory (committed when this returns,
+        unless ``async_save``: then committed in the background)."""
+        self.wait()
+        accelerator = self._accelerator
+        run = accelerator._run
+        rank = run.cluster.rank
+        project = self._project
+        async_save = project.async_save if async_save is None else bool(async_save)
+        hashes = project.checkpoint_hashes if hashes is None else bool(hashes)
+        target, root = self._target(output_dir)
+        collectives = self._collectives()
+
+        decision: dict[str, Any] = {}
+        if rank == 0:
+            decision = self._prepare_target(target, overwrite)
+        decision = collectives.broadcast_object_list([decision])[0]
+        if "error" in decision:
+            raise CheckpointError(decision["error"])
+        temporary = decision["temporary"]
+        os.makedirs(temporary, exist_ok=True)
+
+        writer = CheckpointWriter(temporary, rank, hashing=hashes, safe_serialization=safe_serialization,
+                                  deferred=async_save)
+        extra_files: list[str] = []
+        local_error: str | None = None
+        try:
+            extra_files = self._write_state(writer)
+        except _PASS_THROUGH:
+            raise
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            local_error = _describe(exc)
+        base = self._manifest_base(decision["sequence"], hashes)
+        if root is not None:
+            self.iteration += 1
+
+        def finish() -> str:
+            return self._finish(collectives, writer, extra_files, local_error, temporary, target, root, base, overwrite)
+
+        if async_save:
+            self._pending = _PendingSave(target, finish)
+            return target
+        try:
+            return finish()
+        except CheckpointError:
+            if root is not None:
+                self.iteration -= 1
+            raise
+
+    def _prepare_target(self, target: str, overwrite: bool) -> dict[str, Any]:
+        parent = os.path.dirname(target)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            layout.remove_leftovers(parent)
+            if os.path.exists(target):
+                if not layout.is_committed(target):
+                    return {"error": f"cannot save to {target}: it exists and is not a committed torchrig checkpoint "
+                                     "(it has no manifest); choose another directory or remove it"}
+                if not overwrite:
+                    return {"error": f"cannot save to {target}: a committed checkpoint is already there; pass "
+                                     "save_state(..., overwrite=True) to replace it atomically, or choose another "
+                                     "directory"}
+            sequence = 1 + max((seq for seq, _, _ in layout.committed_checkpoints(parent)), default=0)
+            temporary = layout.temporary_sibling(target)
+            os.makedirs(temporary)
+        except OSError as exc:
+            return {"error": f"cannot create a checkpoint in {parent}: {exc.strerror or exc}"}
+        return {"temporary": temporary, "sequence": sequence}
+
+    def _write_state(self, writer: CheckpointWriter) -> list[str]:
+        """Write this rank's files; returns the files a library wrote without the writer."""
+        accelerator = self._accelerator
+        run = accelerator._run
+        host = accelerator._host
+        rank = run.cluster.rank
+        main = run.cluster.is_main_process
+        prepared = self._models_for_save(writer.directory)
+        faults.point("before_model", rank)
+        written = host.hook.torchrig_save_strategy_state(run=run, prepared=prepared, directory=writer.directory,
+                                                         writer=writer) or []
+        faults.point("mid_optimizer", rank)  # ranks that wrote no optimizer file pass it here
+        if main:
+            for index, scheduler in enumerate(accelerator._schedulers):
+                writer.save_torch(scheduler.state_dict(), _numbered("scheduler", index, ".bin"))
+            for index, loader in enumerate(accelerator._dataloaders):
+                if hasattr(loader, "state_dict"):
+                    writer.save_torch(loader.state_dict(), _numbered("dl_state_dict", index, ".bin"))
+            for name, obj in self._plugin_state().items():
+                writer.save_torch(obj.state_dict(), f"{name}.pt")
+            for index, obj in enumerate(self.custom_objects):
+                writer.save_torch(obj.state_dict(), f"custom_checkpoint_{index}.pkl")
+        writer.save_torch(capture_rng(), f"random_states_{rank}.pkl")
+        return list(written)
+
+    def _models_for_save(self, directory: str) -> list[Any]:
+        """The prepared models the save pre-hooks kept (a hook removes a model, or its weights,
+        from the lists it is given to save that model itself)."""
+        prepared = list(self._accelerator._models)
+        if not self.save_pre_hooks:
+            return prepared
+        models = [item.model for item in prepared]
+        weights = [item.unwrapped.state_dict() for item in prepared]
+        kept_models, kept_weights = list(models), list(weights)
+        for hook in self.save_pre_hooks.values():
+            hook(kept_models, kept_weights, directory)
+        return [item for item, model, state in zip(prepared, models, weights)
+                if any(m is model for m in kept_models) and any(w is state for w in kept_weights)]
+
+    def _plugin_state(self) -> dict[str, Any]:
+        """Objects plugins want checkpointed (``torchrig_checkpoint_state``), by file name."""
+        accelerator = self._accelerator
+        state: dict[str, Any] = {}
+        for contribution in accelerator._host.hook.torchrig_checkpoint_state(run=accelerator._run):
+            for name, obj in (contribution or {}).items():
+                if name in state:
+                    raise CheckpointError(f"two plugins contribute checkpoint state named {name!r}")
+                state[name] = obj
+        return state
+
+    def _manifest_base(self, sequence: int, hashes: bool) -> dict[str, Any]:
+        import torch
+
+        from torchrig import __version__
+
+        accelerator = self._accelerator
+        run = accelerator._run
+        automatic = self._project.automatic_checkpoint_naming
+        config_keys, data_order = self._fingerprint()
+        return {
+            "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "sequence": sequence,
+            "iteration": self.iteration if automatic else None,
+            "accumulation_step": accelerator.gradient_state.step,
+            "created_at": time.time(), "world_size": run.cluster.world_size, "num_nodes": run.cluster.num_nodes,
+            "strategy": run.config.get("strategy"), "hashes": hashes,
+            "versions": {"torchrig": __version__, "torch": torch.__version__, "python": platform.python_version()},
+            "fingerprint": {"config_hash": digest(config_keys), "data_order_hash": digest(data_order),
+                            "config": config_keys, "data_order": data_order},
+            "contents": {"models": len(accelerator._models), "optimizers": len(accelerator._optimizers),
+                         "schedulers": len(accelerator._schedulers),
+                         "dataloaders": len(accelerator._dataloaders), "custom_objects": len(self.custom_objects)},
+        }
+
+    def _fingerprint(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        accelerator = self._accelerator
+        config = accelerator.config
+        owner = f"strategy:{config.get('strategy')}"
+        sections = [key for key, by in Schema(accelerator._host).section_owner.items() if by == owner]
+        return fingerprint_config(config.items(), sections), [describe_dataloader(d) for d in accelerator._dataloaders]
+
+    def _finish(self, collectives: Collectives, writer: CheckpointWriter, extra_files: list[str],
+                local_error: str | None, temporary: str, target: str, root: str | None, base: dict[str, Any],
+                overwrite: bool) -> str:
+        run = self._accelerator._run
+        rank = run.cluster.rank
+        records: list[FileRecord] = []
+        if local_error is None:
+            try:
+                writer.flush()
+                records = writer.records(extra_files)
+                fsync_path(temporary)
+            except _PASS_THROUGH:
+                raise
+            except BaseException as exc:
+                local_error = _describe(exc)
+        report = {"rank": rank, "error": local_error, "files": [r.to_json() for r in records]}
+        reports = collectives.gather_object(report)
+        failures = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"]]
+        outcome: dict[str, Any] = {}
+        if rank == 0:
+            if failures:
+                import shutil
+
+                shutil.rmtree(temporary, ignore_errors=True)
+                outcome = {"error": f"checkpoint {target} was not saved, the previous checkpoint is intact ("
+                                    + "; ".join(failures) + ")"}
+            else:
+                outcome = self._commit(reports, temporary, target, root, base, overwrite)
+        else:
+            for phase in _COMMIT_PHASES:
+                faults.point(phase, rank)
+        outcome = collectives.broadcast_object_list([outcome])[0]
+        if "error" in outcome:
+            raise CheckpointError(outcome["error"])
+        for message in outcome.get("warnings", []):
+            self._accelerator_warning(message)
+        return target
+
+    def _commit(self, reports: Sequence[Mapping[str, Any]], temporary: str, target: str, root: str | None,
+                base: dict[str, Any], overwrite: bool) -> dict[str, Any]:
+        """Rank 0: manifest, rename, ``latest``, rotation. Returns the outcome to broadcast."""
+        import shutil
+
+        files = {entry["path"]: entry for report in reports for entry in report["files"]}
+        try:
+            for dirpath, _, names in os.walk(temporary):  # files a save pre-hook wrote itself
+                for name in names:
+                    relative = os.path.relpath(os.path.join(dirpath, name), temporary).replace(os.sep, "/")
+                    if relative not in files and relative != layout.MANIFEST_NAME:
+                        path = os.path.join(temporary, relative)
+                        fsync_path(path)
+                        files[relative] = FileRecord(relative, os.path.getsize(path),
+                                                     hash_file(path) if base["hashes"] else None, 0).to_json()
+            manifest = {**base, "files": [files[name] for name in sorted(files)], "committed_at": time.time()}
+            faults.point("before_manifest", 0)
+            layout.write_manifest(temporary, manifest)
+            faults.point("before_rename", 0)
+            if overwrite and os.path.exists(target):
+                layout.replace_directory(temporary, target)
+            else:
+                os.rename(temporary, target)
+                fsync_path(os.path.dirname(target))
+        except OSError as exc:
+            shutil.rmtree(temporary, ignore_errors=True)
+            from torchrig.checkpoint.files import describe_os_error
+
+            return {"error": f"checkpoint {target} was not committed, the previous checkpoint is intact: "
+                             f"{describe_os_error(exc, exc.filename or temporary)}"}
+        warnings: list[str] = []
+        faults.point("before_latest", 0)
+        if root is not None:
+            try:
+                layout.write_text_atomic(os.path.join(root, layout.LATEST_NAME), os.path.basename(target) + "\n")
+            except OSError as exc:
+                warnings.append(f"checkpoint {target} is committed but {root}/latest was not updated: {exc}")
+            faults.point("before_rotation_delete", 0)
+            warnings.extend(self._rotate(root, keep=target))
+        self._notify_committed(target, manifest)
+        return {"path": target, "warnings": warnings}
+
+    def _rotate(self, root: str, keep: str) -> list[str]:
+        limit = self._project.total_limit
+        if not limit:
+            return []
+        committed = [path for _, path, _ in layout.committed_checkpoints(root) if os.path.abspath(path) != keep]
+        excess = len(committed) + 1 - limit
+        warnings = []
+        for path in committed[:max(0, excess)]:
+            try:
+                layout.delete_checkpoint(path)
+            except OSError as exc:
+                warnings.append(f"could not delete old checkpoint {path} (total_limit={limit}): {exc}")
+        return warnings
+
+    def _notify_committed(self, target: str, manifest: Mapping[str, Any]) -> None:
+        from torchrig.launch import status
+
+        accelerator = self._accelerator
+        accelerator._host.hook.torchrig_checkpoint_committed(run=accelerator._run, directory=target, manifest=manifest)
+        status.record(last_checkpoint=target)
+
+    def _accelerator_warning(self, message: str) -> None:
+        from torchrig.logging import get_logger
+
+        get_logger(__name__).warning(message)
+
+    # -- waiting on an asynchronous save ------------------------------------------------------
+
+    def wait(self) -> None:
+        """Wait for a background save; raise its error (on every rank: the outcome is shared)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.join()
+        if pending.error is not None:
+            # The iteration number stays used: numbering never goes back after a failed save.
+            error = pending.error
+            if isinstance(error, CheckpointError):
+                raise CheckpointError(f"the asynchronous save to {pending.target} failed: {error}") from error
+            raise CheckpointError(f"the asynchronous save to {pending.target} failed: {_describe(error)}") from error
+
+    # -- load -----------------------------------------------------------------------------
+
+    def load(self, input_dir: str | os.PathLike[str] | None = None, *, allow_config_change: bool = False,
+             allow_world_size_change: bool = False, verify_hashes: bool = False) -> str:
+        """Load a committed checkpoint (default: the project's latest); returns its directory."""
+        self.wait()
+        accelerator = self._accelerator
+        run = accelerator._run
+        rank = run.cluster.rank
+        collectives = self._collectives()
+        found: dict[str, Any] = {}
+        if rank == 0:
+            try:
+                directory = self._resolve_load_dir(input_dir)
+                manifest = layout.read_manifest(directory)
+                assert manifest is not None
+                layout.verify(directory, manifest, hashes=verify_hashes)
+                self._check_compatible(directory, manifest, allow_config_change, allow_world_size_change)
+                found = {"directory": directory}
+            except CheckpointError as exc:
+                found = {"error": str(exc)}
+        found = collectives.broadcast_object_list([found])[0]
+        if "error" in found:
+            raise CheckpointError(found["error"])
+        directory = found["directory"]
+        manifest = layout.read_manifest(directory)
+        if manifest is None:
+            raise CheckpointError(f"rank {rank} cannot read the manifest of {directory} (is the directory on a disk "
+                                  "this node can see?)")
+        self._restore(directory, manifest)
+        if rank == 0:
+            layout.remove_leftovers(os.path.dirname(directory))
+        collectives.barrier()
+        return directory
+
+    def _resolve_load_dir(self, input_dir: str | os.PathLike[str] | None) -> str:
+        if input_dir is None:
+            if not self._project.automatic_checkpoint_naming and not self._project.project_dir:
+                raise CheckpointError("load_state() needs a checkpoint directory: pass load_state(input_dir) or set "
+                                      "a project_dir with automatic_checkpoint_naming")
+            root = self.checkpoints_root()
+            latest = layout.latest_checkpoint(root)
+            if latest is None:
+                unfinished = len(list(layout.leftovers(root)))
+                extra = f" ({unfinished} unfinished save(s) there are ignored)" if unfinished else ""
+                raise CheckpointError(f"no committed checkpoint in {root}{extra}; to start fresh, do not call "
+                                      "load_state() (see Accelerator.latest_checkpoint())")
+            return latest
+        directory = os.path.abspath(os.fspath(input_dir))
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"cannot resume from {directory}: no such directory")
+        if layout.read_manifest(directory) is not None and layout.is_committed(directory):
+            return directory
+        latest = layout.latest_checkpoint(directory)
+        if latest is not None:
+            return latest
+        raise CheckpointError(f"cannot resume from {directory}: it is not a committed torchrig checkpoint (no "
+                              f"{layout.MANIFEST_NAME}: the save that wrote it did not finish) and holds none")
+
+    def _check_compatible(self, directory: str, manifest: Mapping[str, Any], allow_config_change: bool,
+                          allow_world_size_change: bool) -> None:
+        accelerator = self._accelerator
+        problems = []
+        world = accelerator._run.cluster.world_size
+        if int(manifest.get("world_size", 1)) != world and not allow_world_size_change:
+            problems.append(f"world size: checkpoint {manifest.get('world_size')}, now {world} (pass "
+                            "load_state(..., allow_world_size_change=True) to convert; see docs/checkpoints.md)")
+        config_keys, data_order = self._fingerprint()
+        saved = manifest.get("fingerprint", {})
+        if not allow_config_change:
+            lines = diff(saved.get("config", {}), config_keys)
+            if saved.get("data_order") is not None and saved.get("data_order") != data_order:
+                lines.extend(f"data order, {line}" for line in diff(
+                    {str(i): v for i, v in enumerate(saved["data_order"])}, {str(i): v for i, v in enumerate(data_order)}))
+            if lines:
+                problems.append("configuration changed since the checkpoint (pass load_state(..., "
+                                "allow_config_change=True) to load anyway):\n    " + "\n    ".join(lines))
+        contents = manifest.get("contents", {})
+        for name, have in (("models", len(accelerator._models)), ("schedulers", len(accelerator._schedulers)),
+                           ("dataloaders", len(accelerator._dataloaders)),
+                           ("custom_objects", len(self.custom_objects))):
+            if int(contents.get(name, have)) != have:
+                problems.append(f"{name}: the checkpoint has {contents.get(name)}, this run prepared/registered {have}")
+        if problems:
+            raise CheckpointError(f"cannot load {directory}: " + "; ".join(problems))
+
+    def _restore(self, directory: str, manifest: Mapping[str, Any]) -> None:
+        import torch
+
+        accelerator = self._accelerator
+        run = accelerator._run
+        rank = run.cluster.rank
+        prepared = list(accelerator._models)
+        if self.load_pre_hooks:
+            models = [item.model for item in prepared]
+            kept = list(models)
+            for hook in self.load_pre_hooks.values():
+                hook(kept, directory)
+            prepared = [item for item, model in zip(prepared, models) if any(m is model for m in kept)]
+        try:
+            accelerator._host.hook.torchrig_load_strategy_state(run=run, prepared=prepared, directory=directory,
+                                                                manifest=manifest)
+        except _PASS_THROUGH:
+            raise
+        except BaseException as exc:  # DCP raises BaseException subclasses
+            raise CheckpointError(f"cannot load the models and optimizers of {directory}: {_describe(exc)}") from exc
+
+        def read(name: str) -> Any:
+            return torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
+
+        for index, scheduler in enumerate(accelerator._schedulers):
+            scheduler.load_state_dict(read(_numbered("scheduler", index, ".bin")))
+        for index, loader in enumerate(accelerator._dataloaders):
+            name = _numbered("dl_state_dict", index, ".bin")
+            if hasattr(loader, "load_state_dict") and os.path.exists(os.path.join(directory, name)):
+                loader.load_state_dict(read(name))
+        for name, obj in self._plugin_state().items():
+            path = f"{name}.pt"
+            if not os.path.exists(os.path.join(directory, path)):
+                raise CheckpointError(f"{directory} has no {path} for the plugin state {name!r} this run has (was it "
+                                      "saved with another precision or strategy?)")
+            obj.load_state_dict(read(path))
+        for index, obj in enumerate(self.custom_objects):
+            obj.load_state_dict(torch.load(os.path.join(directory, f"custom_checkpoint_{index}.pkl"),
+                                           map_location="cpu", weights_only=False))
+        rng_file = os.path.join(directory, f"random_states_{rank}.pkl")
+        if os.path.exists(rng_file):
+            restore_rng(torch.load(rng_file, map_location="cpu", weights_only=True))
+        else:
+            reseed_rng(int(manifest.get("sequence", 0)), rank)
+        accelerator.gradient_state.step = int(manifest.get("accumulation_step", 0))
+        if manifest.get("iteration") is not None:
+            self.iteration = int(manifest["iteration"]) + 1
+
+
+__all__ = ["CheckpointManager"]
