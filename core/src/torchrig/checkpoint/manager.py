@@ -49,6 +49,8 @@ if TYPE_CHECKING:  # pragma: no cover
 #: Rank-0 phases that other ranks pass while they wait for the commit (see ``faults``).
 _COMMIT_PHASES = ("before_manifest", "before_rename", "before_latest", "before_rotation_delete")
 _PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
+#: Option sections of the core (kept in the fingerprint at any world size).
+_CORE_SECTIONS = ("dataloader_config", "gradient_accumulation_plugin", "autocast_kwargs", "grad_scaler_kwargs")
 
 
 def _numbered(stem: str, index: int, suffix: str) -> str:
@@ -172,7 +174,7 @@ class CheckpointManager:
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             local_error = _describe(exc)
         base = self._manifest_base(decision["sequence"], hashes)
-        if root is not None:
+        if root is not None:  # taken even if the save fails: numbers are never reused (as with async saves)
             self.iteration += 1
 
         def finish() -> str:
@@ -181,12 +183,7 @@ class CheckpointManager:
         if async_save:
             self._pending = _PendingSave(target, finish)
             return target
-        try:
-            return finish()
-        except CheckpointError:
-            if root is not None:
-                self.iteration -= 1
-            raise
+        return finish()
 
     def _prepare_target(self, target: str, overwrite: bool) -> dict[str, Any]:
         parent = os.path.dirname(target)
@@ -478,11 +475,21 @@ class CheckpointManager:
                             "load_state(..., allow_world_size_change=True) to convert; see docs/checkpoints.md)")
         config_keys, data_order = self._fingerprint()
         saved = manifest.get("fingerprint", {})
+        saved_config, saved_order = dict(saved.get("config", {})), list(saved.get("data_order") or [])
+        if int(manifest.get("world_size", 1)) != world:
+            # What follows from the world size is not a configuration change: the strategy
+            # (single <-> data parallel; the strategy's load hook refuses formats it cannot
+            # read), its options, and the global batch size.
+            for keys in (saved_config, config_keys):
+                for key in [k for k in keys if k == "strategy" or "." in k and k.split(".")[0] not in _CORE_SECTIONS]:
+                    del keys[key]
+            saved_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in saved_order]
+            data_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in data_order]
         if not allow_config_change:
-            lines = diff(saved.get("config", {}), config_keys)
-            if saved.get("data_order") is not None and saved.get("data_order") != data_order:
-                lines.extend(f"data order, {line}" for line in diff(
-                    {str(i): v for i, v in enumerate(saved["data_order"])}, {str(i): v for i, v in enumerate(data_order)}))
+            lines = diff(saved_config, config_keys)
+            if saved.get("data_order") is not None and saved_order != data_order:
+                lines.extend(f"data order, dataloader {line}" for line in diff(
+                    {str(i): v for i, v in enumerate(saved_order)}, {str(i): v for i, v in enumerate(data_order)}))
             if lines:
                 problems.append("configuration changed since the checkpoint (pass load_state(..., "
                                 "allow_config_change=True) to load anyway):\n    " + "\n    ".join(lines))
