@@ -118,7 +118,7 @@ def test_every_piece_of_state_round_trips_bit_equal(tmp_path):
     manifest = layout.read_manifest(directory)
     assert manifest["world_size"] == 1 and manifest["strategy"] == "single"
     names = {entry["path"] for entry in manifest["files"]}
-    assert names == {"model.safetensors", "optimizer.bin", "scheduler.bin", "dl_state_dict.bin",
+    assert names == {"model.safetensors", "optimizer.safetensors", "scheduler.bin", "dl_state_dict.bin",
                      "custom_checkpoint_0.pkl", "random_states_0.pkl"}
     for entry in manifest["files"]:
         assert entry["size"] == os.path.getsize(os.path.join(directory, entry["path"]))
@@ -242,15 +242,15 @@ def test_changed_configuration_is_refused_with_a_diff_unless_allowed(tmp_path):
 def test_damaged_checkpoints_are_named_and_never_loaded(tmp_path):
     accelerator, *_ = make_run()
     directory = Path(accelerator.save_state(tmp_path / "c", hashes=True))
-    optimizer_file = directory / "optimizer.bin"
-    data = bytearray(optimizer_file.read_bytes())
-    data[-10] ^= 0xFF
-    optimizer_file.write_bytes(bytes(data))
+    weights_file = directory / "model.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") + 3] ^= 0xFF  # a byte of tensor data, after the header
+    weights_file.write_bytes(bytes(data))
     accelerator.load_state(directory)  # sizes match: the default check is sizes only
-    with pytest.raises(CheckpointError, match="optimizer.bin: sha256 differs"):
+    with pytest.raises(CheckpointError, match="model.safetensors: sha256 differs"):
         accelerator.load_state(directory, verify_hashes=True)
-    optimizer_file.write_bytes(bytes(data[:100]))
-    with pytest.raises(CheckpointError, match=r"damaged \(optimizer.bin: 100 bytes on disk"):
+    weights_file.write_bytes(bytes(data[:100]))
+    with pytest.raises(CheckpointError, match=r"damaged \(model.safetensors: 100 bytes on disk"):
         accelerator.load_state(directory)
 
 
@@ -515,11 +515,18 @@ def test_random_sigkills_of_every_process_during_training_lose_nothing(tmp_path,
     project = tmp_path / "killed"
     rng = random.Random(20261122)
     kills = 0
+    log = project / "log-rank0.jsonl"
     for _attempt in range(40):
+        lines_before = len(log.read_text().splitlines()) if log.exists() else 0
         proc = _train(tmp_path, project, process_guard, "--steps", "30", processes=2)
-        deadline = time.monotonic() + rng.uniform(4.0, 9.0)
+        started = time.monotonic()
+        while proc.poll() is None and time.monotonic() - started < RUN_TIMEOUT:  # until this attempt trains
+            if log.exists() and len(log.read_text().splitlines()) > lines_before:
+                break
+            time.sleep(0.02)
+        deadline = time.monotonic() + rng.uniform(0.0, 2.0)  # then a random moment: mid-step or mid-save
         while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
+            time.sleep(0.01)
         if proc.poll() is not None:
             assert proc.returncode == 0, proc.communicate()[0]
             break

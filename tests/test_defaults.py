@@ -48,8 +48,8 @@ def test_plain_state_round_trips_through_a_directory(single_run, tmp_path):
     prepared = [host.hook.torchrig_prepare_model(run=run, model=model, optimizers=[optimizer], schedulers=[], device_placement=True)]
     writer = CheckpointWriter(str(tmp_path), rank=0, hashing=True)
     files = host.hook.torchrig_save_strategy_state(run=run, prepared=prepared, directory=str(tmp_path), writer=writer)
-    assert sorted(files) == ["model.safetensors", "optimizer.bin"]
-    assert [r.path for r in writer.records()] == ["model.safetensors", "optimizer.bin"]
+    assert sorted(files) == ["model.safetensors", "optimizer.safetensors"]
+    assert [r.path for r in writer.records()] == ["model.safetensors", "optimizer.safetensors"]
     assert all(r.size == (tmp_path / r.path).stat().st_size and len(r.sha256) == 64 for r in writer.records())
 
     other = torch.nn.Linear(3, 2)

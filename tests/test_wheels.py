@@ -42,7 +42,7 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
     # wheel), so the install itself runs with --no-index: only what we built and pinned.
     wheelhouse = tmp_path / "wheelhouse"
     sh(sys.executable, "-m", "pip", "download", "--only-binary=:all:", "-d", wheelhouse,
-       "torch==2.13.0", "pluggy>=1.5", "attrs>=23.1", "pyyaml>=6.0")
+       "torch==2.13.0", "pluggy>=1.5", "attrs>=23.1", "pyyaml>=6.0", "safetensors>=0.4")
 
     venv = tmp_path / "venv"
     sh(sys.executable, "-m", "venv", venv)
@@ -61,7 +61,13 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
     assert {("strategy", "single"), ("precision", "no"), ("precision", "fp16"), ("precision", "bf16"),
             ("device", "cpu"), ("device", "cuda"), ("device", "mps")} <= builtins
     for row in listing:  # first-party strategies ship their config manifests before their runtimes
+        if row["kind"] == "tracker" and row["status"] == "unavailable":  # its library is not in this venv
+            assert f"pip install 'torchrig[{row['name']}]'" in row["reason"], row
+            continue
         assert row["status"] in ("selected", "available") or "no runtime entry point" in (row["reason"] or ""), row
+    trackers = {r["name"]: r["status"] for r in listing if r["kind"] == "tracker"}
+    assert trackers == {"csv": "available", "jsonl": "available", "tensorboard": "unavailable",
+                        "wandb": "unavailable", "mlflow": "unavailable"}, trackers
     strategies = {r["name"]: r for r in listing if r["kind"] == "strategy"}
     for name, distribution in (("ddp", "torchrig-ddp"), ("fsdp", "torchrig-fsdp"), ("deepspeed", "torchrig-deepspeed")):
         assert strategies[name]["distribution"] == distribution and strategies[name]["version"] == version

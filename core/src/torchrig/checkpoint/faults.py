@@ -35,6 +35,12 @@ def parse(value: str) -> tuple[str, int]:
     return phase, int(rank)
 
 
+def armed(phase: str, rank: int) -> bool:
+    """Whether :func:`point` would kill this rank at ``phase`` (writers then stream the file)."""
+    value = os.environ.get(FAULT_ENV)
+    return bool(value) and not _fired and parse(value) == (phase, rank)
+
+
 def point(phase: str, rank: int | None = None) -> None:
     """SIGKILL this process if the fault variable names ``phase`` and this rank."""
     global _fired
@@ -49,4 +55,4 @@ def point(phase: str, rank: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["FAULT_ENV", "PHASES", "parse", "point"]
+__all__ = ["FAULT_ENV", "PHASES", "armed", "parse", "point"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -62,6 +63,19 @@ def describe_os_error(exc: OSError, path: str) -> str:
         return (f"no space left while writing {path} ({os.strerror(exc.errno or 0)}); free disk space or lower "
                 "total_limit — the previous checkpoint is intact")
     return f"cannot write {path}: {exc.strerror or exc}"
+
+
+def describe_write_failure(exc: BaseException, path: str) -> str:
+    """Like :func:`describe_os_error` for errors libraries raise with the OS error in the text
+    (safetensors: "I/O error: ... (os error 28)"; torch.save: "... error code: 28")."""
+    if isinstance(exc, OSError):
+        return describe_os_error(exc, path)
+    text = str(exc)
+    match = re.search(r"os error (\d+)|error code:? (\d+)", text)
+    if match:
+        code = int(match.group(1) or match.group(2))
+        return describe_os_error(OSError(code, os.strerror(code)), path)
+    return f"cannot write {path}: {type(exc).__name__}: {text}"
 
 
 def fsync_path(path: str) -> None:
@@ -115,18 +129,31 @@ def hash_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def _snapshot(obj: Any) -> Any:
-    """A copy of ``obj`` whose tensors live in CPU memory and no longer change with training."""
+def _snapshot(obj: Any, staging: dict[str, Any], key: str) -> Any:
+    """A copy of ``obj`` whose tensors live in CPU memory and no longer change with training.
+
+    Tensors are copied into ``staging`` buffers kept from the previous asynchronous save when
+    shape and dtype match: fresh memory would page-fault on first touch, which costs more than
+    the copy itself.
+    """
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        buffer = staging.get(key)
+        if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype or obj.layout != torch.strided:
+            buffer = staging[key] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu") \
+                if obj.layout == torch.strided else obj.detach().to("cpu", copy=True)
+            if obj.layout != torch.strided:
+                return buffer
+        buffer.copy_(obj.detach())
+        return buffer
     if isinstance(obj, Mapping):
-        return type(obj)((k, _snapshot(v)) for k, v in obj.items()) if type(obj) is not dict else {k: _snapshot(v) for k, v in obj.items()}
+        return {k: _snapshot(v, staging, f"{key}/{k}") for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_snapshot(v) for v in obj]
+        return [_snapshot(v, staging, f"{key}/{i}") for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return type(obj)(*map(_snapshot, obj)) if hasattr(obj, "_fields") else tuple(_snapshot(v) for v in obj)
+        items = [_snapshot(v, staging, f"{key}/{i}") for i, v in enumerate(obj)]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     return obj
 
 
@@ -135,16 +162,18 @@ class CheckpointWriter:
 
     ``safe_serialization`` says whether model weights should be safetensors (strategies read
     it); ``hashing`` turns on streaming sha256; ``deferred`` makes every write a CPU snapshot
-    now and a file later (:meth:`flush`).
+    now (into ``staging`` buffers) and a file later (:meth:`flush`).
     """
 
     def __init__(self, directory: str, rank: int, *, hashing: bool = False, safe_serialization: bool = True,
-                 deferred: bool = False) -> None:
+                 deferred: bool = False, staging: dict[str, Any] | None = None) -> None:
         self.directory = directory
         self.rank = rank
         self.hashing = hashing
         self.safe_serialization = safe_serialization
         self.deferred = deferred
+        #: CPU buffers of deferred writes, reused by the next asynchronous save (see _snapshot).
+        self.staging = staging if staging is not None else {}
         self._records: dict[str, FileRecord] = {}
         self._pending: list[tuple[str, Callable[[Any], None], Any, str | None]] = []
         self._lock = threading.Lock()
@@ -155,21 +184,23 @@ class CheckpointWriter:
         """``torch.save`` ``obj`` as ``name`` (relative to the checkpoint directory)."""
         import torch
 
-        return self._write(name, lambda handle, value: torch.save(value, handle), obj, fault_phase)
+        return self._write(name, lambda target, value: torch.save(value, target), obj, fault_phase)
 
     def save_tensors(self, tensors: Mapping[str, Any], name: str, metadata: Mapping[str, str] | None = None,
                      *, fault_phase: str | None = None) -> str:
         """Write a flat name → tensor mapping as a safetensors file."""
-        from safetensors.torch import save as to_safetensors_bytes
+        from safetensors.torch import save, save_file
 
-        def write(handle: _StreamingFile, value: Mapping[str, Any]) -> None:
-            handle.write(to_safetensors_bytes(dict(value), metadata=dict(metadata) if metadata else None))
+        extra = dict(metadata) if metadata else None
+
+        def write(target: Any, value: Mapping[str, Any]) -> None:
+            if isinstance(target, str):
+                save_file(dict(value), target, metadata=extra)  # written by Rust, no copy through Python
+            else:
+                target.write(save(dict(value), metadata=extra))
 
         tensors = {key: value.contiguous() for key, value in tensors.items()}
         return self._write(name, write, tensors, fault_phase)
-
-    def save_bytes(self, data: bytes, name: str) -> str:
-        return self._write(name, lambda handle, value: handle.write(value), data, None)
 
     def record(self, name: str) -> FileRecord:
         """Account for a file a library wrote into the directory itself: fsync, size, hash."""
@@ -184,7 +215,7 @@ class CheckpointWriter:
     def _write(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None) -> str:
         name = _normalise(name)
         if self.deferred:
-            self._pending.append((name, write, _snapshot(value), fault_phase))
+            self._pending.append((name, write, _snapshot(value, self.staging, name), fault_phase))
         else:
             self._write_now(name, write, value, fault_phase)
         return name
@@ -192,6 +223,16 @@ class CheckpointWriter:
     def _write_now(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None) -> None:
         path = os.path.join(self.directory, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not self.hashing and not (fault_phase and faults.armed(fault_phase, self.rank)):
+            # Fast path: the library writes the file itself, then one fsync.
+            try:
+                write(path, value)
+                fsync_path(path)
+            except Exception as exc:  # OSError, torch.save's RuntimeError, safetensors' SafetensorError
+                raise CheckpointError(describe_write_failure(exc, path)) from exc
+            with self._lock:
+                self._records[name] = FileRecord(path=name, size=os.path.getsize(path), rank=self.rank)
+            return
         try:
             handle = _StreamingFile(path, self.hashing, fault_phase, self.rank)
         except OSError as exc:

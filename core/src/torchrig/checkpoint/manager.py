@@ -92,6 +92,8 @@ class CheckpointManager:
         self.save_pre_hooks: collections.OrderedDict[int, Callable[..., Any]] = collections.OrderedDict()
         self.load_pre_hooks: collections.OrderedDict[int, Callable[..., Any]] = collections.OrderedDict()
         self._pending: _PendingSave | None = None
+        #: CPU buffers reused by asynchronous saves (free only once the previous save finished).
+        self._staging: dict[str, Any] = {}
         self._group: Any = None
         self._group_made = False
 
@@ -151,6 +153,10 @@ class CheckpointManager:
         project = self._project
         async_save = project.async_save if async_save is None else bool(async_save)
         hashes = project.checkpoint_hashes if hashes is None else bool(hashes)
+        if project.save_on_each_node and run.cluster.num_nodes > 1:
+            raise CheckpointError("save_state() commits one checkpoint that every node reads, so it needs a directory "
+                                  "all nodes share; save_on_each_node applies to save() and save_model() only — put "
+                                  "project_dir on a shared filesystem")
         target, root = self._target(output_dir)
         collectives = self._collectives()
 
@@ -164,7 +170,7 @@ class CheckpointManager:
         os.makedirs(temporary, exist_ok=True)
 
         writer = CheckpointWriter(temporary, rank, hashing=hashes, safe_serialization=safe_serialization,
-                                  deferred=async_save)
+                                  deferred=async_save, staging=self._staging)
         extra_files: list[str] = []
         local_error: str | None = None
         try:

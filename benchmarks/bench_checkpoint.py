@@ -1,0 +1,146 @@
+"""B6: checkpoint save and load through ``save_state``/``load_state`` against raw safetensors.
+
+Pinned state: an MLP of 8 × Linear(2368, 2368) with AdamW state after one step — 45M parameters,
+~540 MB of model + optimizer tensors. In one process, rounds interleave:
+
+* baseline save: the same tensors (weights, exp_avg, exp_avg_sq) in one ``safetensors`` file,
+  fsynced (file and directory) — the least any durable save can do;
+* ``save_state`` with hashes off (the default), with hashes on, and with ``async_save`` (its
+  blocking part — the copy to CPU — and then its completion);
+* baseline load: ``safetensors.load_file`` and a copy into the existing model and optimizer
+  (tensors materialised on both sides), against ``load_state``.
+
+Reported: medians (s) and the median of per-round ratios. Goals: save ÷ baseline throughput
+≥ 0.9 (i.e. time ratio ≤ 1/0.9); async blocking part ≤ 0.25 × the synchronous save.
+
+    python benchmarks/bench_checkpoint.py [--rounds 5] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from torchrig import Accelerator
+
+SAVE_GOAL = 0.9
+ASYNC_GOAL = 0.25
+
+
+def make_state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2368, 2368) for _ in range(8)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 2368)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def flat_tensors(model, optimizer) -> dict[str, torch.Tensor]:
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for index, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                tensors[f"optimizer.{index}.{key}"] = value
+    return tensors
+
+
+def fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def baseline_save(model, optimizer, directory: str) -> float:
+    start = time.perf_counter()
+    os.makedirs(directory)
+    path = os.path.join(directory, "state.safetensors")
+    save_file(flat_tensors(model, optimizer), path)
+    fsync(path)
+    fsync(directory)
+    return time.perf_counter() - start
+
+
+def baseline_load(model, optimizer, directory: str) -> float:
+    start = time.perf_counter()
+    tensors = load_file(os.path.join(directory, "state.safetensors"))
+    with torch.no_grad():
+        for name, value in model.state_dict().items():
+            value.copy_(tensors[f"model.{name}"])
+        for index, state in optimizer.state_dict()["state"].items():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    value.copy_(tensors[f"optimizer.{index}.{key}"])
+    return time.perf_counter() - start
+
+
+def timed(fn, *args, **kwargs) -> float:
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = make_state()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    size = sum(t.numel() * t.element_size() for t in flat_tensors(model, optimizer.optimizer).values())
+    work = tempfile.mkdtemp(prefix="torchrig-bench-ckpt-", dir=args.dir)
+    rows: dict[str, list[float]] = {k: [] for k in (
+        "baseline save", "save_state", "save_state (hashes)", "async blocking", "async total", "baseline load",
+        "load_state")}
+    try:
+        for round_index in range(args.rounds):
+            base = os.path.join(work, f"r{round_index}")
+            rows["baseline save"].append(baseline_save(model, optimizer.optimizer, base + "-base"))
+            rows["save_state"].append(timed(accelerator.save_state, base + "-plain"))
+            rows["save_state (hashes)"].append(timed(accelerator.save_state, base + "-hash", hashes=True))
+            start = time.perf_counter()
+            accelerator.save_state(base + "-async", async_save=True)
+            rows["async blocking"].append(time.perf_counter() - start)
+            accelerator.wait_for_everyone()
+            rows["async total"].append(time.perf_counter() - start)
+            rows["baseline load"].append(baseline_load(model, optimizer.optimizer, base + "-base"))
+            rows["load_state"].append(timed(accelerator.load_state, base + "-plain"))
+            for suffix in ("-base", "-plain", "-hash", "-async"):
+                shutil.rmtree(base + suffix)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"B6 checkpoint: {size / 1e6:.0f} MB of model + optimizer tensors, {args.rounds} interleaved rounds, "
+          f"in {args.dir}")
+    print(f"{'':22} {'median s':>9} {'MB/s':>8}")
+    for name, values in rows.items():
+        median = statistics.median(values)
+        print(f"{name:22} {median:9.3f} {size / 1e6 / median:8.0f}")
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(rows[a], rows[b]))
+
+    save_throughput = ratio("baseline save", "save_state")
+    print(f"save_state throughput ÷ baseline: {save_throughput:.2f} (goal ≥ {SAVE_GOAL}) "
+          f"{'ok' if save_throughput >= SAVE_GOAL else 'MISSED'}")
+    print(f"  with hashes on: {ratio('baseline save', 'save_state (hashes)'):.2f}")
+    blocking = ratio("async blocking", "save_state")
+    print(f"async blocking part ÷ synchronous save: {blocking:.2f} (goal ≤ {ASYNC_GOAL}) "
+          f"{'ok' if blocking <= ASYNC_GOAL else 'MISSED'}")
+    print(f"load_state throughput ÷ baseline load: {ratio('baseline load', 'load_state'):.2f}")
+
+
+if __name__ == "__main__":
+    main()
