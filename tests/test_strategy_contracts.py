@@ -26,3 +26,19 @@ class TestDDPStrategyBF16(StrategyContract):
     world_size = 2
     options = {"mixed_precision": "bf16"}
     atol = 5e-2
+
+
+class TestFSDPStrategy(StrategyContract):
+    """FSDP2 (fully_shard) on two gloo ranks: sharded parameters, DCP checkpoint state."""
+
+    strategy = "fsdp"
+    world_size = 2
+
+
+class TestFSDPStrategyBF16(StrategyContract):
+    """bf16 through FSDP2's MixedPrecisionPolicy (the strategy owns precision)."""
+
+    strategy = "fsdp"
+    world_size = 2
+    options = {"mixed_precision": "bf16"}
+    atol = 5e-2

@@ -12,7 +12,9 @@ Decisions the checks encode (see also ``torchrig_fsdp.options``):
   own knob; Accelerate's FSDP2 path does the same); ``sharding_strategy`` still picks the mesh.
 * ``SIZE_BASED_WRAP`` without ``min_num_params`` uses 100_000_000 (torch's default);
   ``TRANSFORMER_BASED_WRAP`` without classes is fine here: the runtime uses the model's
-  ``_no_split_modules`` and shards only the root when the model declares none.
+  ``_no_split_modules``; a model declaring none is an error when the policy was written in a file,
+  variable or flag, and shards only the root (logged) when the policy is the default
+  (``docs/fsdp.md``). Only the model can tell, so this is checked at ``prepare``.
 * ``mixed_precision: fp16`` is allowed: the runtime scales the loss with a sharded grad scaler.
 """
 

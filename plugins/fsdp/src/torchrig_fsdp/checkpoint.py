@@ -1,0 +1,270 @@
+"""FSDP checkpoint state inside the core's checkpoint directory, and full-weight export.
+
+Files, named as Accelerate names them so its users recognise them (``i``: the model's index in
+``prepare`` order, ``k``: the optimizer's index over all models):
+
+* ``state_dict_type: SHARDED_STATE_DICT`` — ``pytorch_model_fsdp_<i>/`` and ``optimizer_<k>/``,
+  each a ``torch.distributed.checkpoint`` (DCP) directory: every rank writes its shards
+  (``__<rank>_0.distcp``), rank 0 the ``.metadata``. Loading reshards, so a checkpoint saved on
+  2 processes loads on 1 and the other way round.
+* ``state_dict_type: FULL_STATE_DICT`` — ``pytorch_model_fsdp.bin`` (``_<i>.bin`` after the first)
+  and ``optimizer.bin`` (``optimizer_<k>.bin``): full, parameter-name-keyed state dicts gathered
+  on rank 0 and written by it (``torch.save``); loading broadcasts them from rank 0.
+
+Loading reads whichever format the checkpoint holds, whatever ``state_dict_type`` says now.
+The hooks write and read only inside the directory they are given; the commit protocol around
+it (temporary directory, fsync, manifest, rename) is the core's. DCP reports failures as
+``CheckpointException``, a ``BaseException``: it is caught here and raised again as
+:class:`FSDPCheckpointError` (an ``Exception``) naming the model and the directory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchrig.run import RunContext
+from torchrig.types import PreparedModel
+
+SHARDED = "SHARDED_STATE_DICT"
+FULL = "FULL_STATE_DICT"
+
+
+class FSDPCheckpointError(RuntimeError):
+    """Writing or reading FSDP checkpoint state failed; the message names what and where."""
+
+
+def model_name(index: int, sharded: bool) -> str:
+    if sharded:
+        return f"pytorch_model_fsdp_{index}"
+    return "pytorch_model_fsdp.bin" if index == 0 else f"pytorch_model_fsdp_{index}.bin"
+
+
+def optimizer_name(index: int, sharded: bool) -> str:
+    if sharded:
+        return f"optimizer_{index}"
+    return "optimizer.bin" if index == 0 else f"optimizer_{index}.bin"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _options(**kwargs: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kwargs)
+
+
+def full_model_state(run: RunContext, model: torch.nn.Module, *, rank0_only: bool = True,
+                     offload_to_cpu: bool = True) -> dict[str, Any]:
+    """The unsharded state dict (collective): on rank 0 only (other ranks get ``{}``) unless
+    ``rank0_only`` is False; on the CPU unless ``offload_to_cpu`` is False."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if not _distributed() or run.cluster.world_size <= 1:
+        state = model.state_dict()
+        return {k: v.detach().cpu() for k, v in state.items()} if offload_to_cpu else state
+    state = get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=rank0_only))
+    if offload_to_cpu and not rank0_only:
+        state = {k: v.cpu() if torch.is_tensor(v) else v for k, v in state.items()}
+    return state
+
+
+# -- save ---------------------------------------------------------------------------------------
+
+
+def save_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str, state_dict_type: str) -> list[str]:
+    """Write every prepared model's and optimizer's state into ``directory``; returns the paths,
+    relative to ``directory``, of the files this rank wrote."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    sharded = state_dict_type != FULL
+    written: list[str] = []
+    optimizer_index = 0
+    for index, item in enumerate(prepared):
+        model = item.unwrapped
+        if sharded:
+            written += _dcp_save({"model": get_model_state_dict(model)}, directory, model_name(index, True),
+                                 f"model {index}")
+        else:
+            written += _save_full(run, full_model_state(run, model), directory, model_name(index, False))
+        for optimizer in item.optimizers:
+            name = optimizer_name(optimizer_index, sharded)
+            if sharded:
+                written += _dcp_save({"optimizer": get_optimizer_state_dict(model, optimizer)}, directory, name,
+                                     f"optimizer {optimizer_index}")
+            else:
+                options = _options(full_state_dict=True, cpu_offload=True) if _distributed() else None
+                state = get_optimizer_state_dict(model, optimizer, options=options)
+                written += _save_full(run, state, directory, name)
+            optimizer_index += 1
+    return written
+
+
+def _save_full(run: RunContext, state: dict[str, Any], directory: str, name: str) -> list[str]:
+    if not run.cluster.is_main_process:
+        return []
+    torch.save(state, os.path.join(directory, name))
+    return [name]
+
+
+def _dcp_save(state: dict[str, Any], directory: str, name: str, what: str) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(directory, name)
+    if os.path.isdir(path) and os.listdir(path):
+        # Never mix shards: DCP would overwrite some files and keep others.
+        raise FSDPCheckpointError(f"fsdp: cannot save the {what} into {path}: the directory is not empty (a previous "
+                                  "save left files there); save into a fresh checkpoint directory")
+    os.makedirs(path, exist_ok=True)
+    writer = _recording_writer_class()(path)
+    try:
+        dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        raise FSDPCheckpointError(f"fsdp: saving the {what} with torch.distributed.checkpoint into {path} failed: "
+                                  f"{_describe(exc)}") from exc
+    return [f"{name}/{file}" for file in sorted(writer.written)]
+
+
+def _describe(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        described = []
+        for rank, error in sorted(failures.items()):
+            if isinstance(error, tuple) and error:  # (exception, traceback summary)
+                error = error[0]
+            described.append(f"rank {rank}: {type(error).__name__}: {error}")
+        return "; ".join(described)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _recording_writer_class() -> type:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class RecordingWriter(FileSystemWriter):
+        """A FileSystemWriter (fsyncs its files) that remembers which files this rank wrote."""
+
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            self.directory = path
+            self.written: set[str] = set()
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            future = super().write_data(plan, planner)
+
+            def record(done: Any) -> Any:
+                results = done.value()
+                self.written.update(result.storage_data.relative_path for result in results)
+                return results
+
+            return future.then(record)
+
+        def finish(self, metadata: Any, results: Any) -> None:  # the coordinator only: writes .metadata
+            before = set(os.listdir(self.directory))
+            super().finish(metadata, results)
+            self.written.update(set(os.listdir(self.directory)) - before)
+
+    return RecordingWriter
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+
+def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> None:
+    """Load what :func:`save_state` wrote (either format, at any world size) into the prepared
+    models and optimizers. Collective."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    optimizer_index = 0
+    for index, item in enumerate(prepared):
+        model = item.unwrapped
+        sharded_dir = os.path.join(directory, model_name(index, True))
+        full_file = os.path.join(directory, model_name(index, False))
+        if os.path.isdir(sharded_dir):
+            state = {"model": get_model_state_dict(model)}
+            _dcp_load(state, sharded_dir, f"model {index}")
+            set_model_state_dict(model, state["model"])
+        elif os.path.isfile(full_file):
+            set_model_state_dict(model, _read_full(run, full_file), options=_broadcast_options())
+        else:
+            raise FSDPCheckpointError(
+                f"fsdp: {directory} holds no state for model {index}: neither {model_name(index, True)}/ (sharded) nor "
+                f"{model_name(index, False)} (full); was it saved with another number of models or another strategy?")
+        for optimizer in item.optimizers:
+            sharded_opt = os.path.join(directory, optimizer_name(optimizer_index, True))
+            full_opt = os.path.join(directory, optimizer_name(optimizer_index, False))
+            if os.path.isdir(sharded_opt):
+                state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+                _dcp_load(state, sharded_opt, f"optimizer {optimizer_index}")
+                set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            elif os.path.isfile(full_opt):
+                set_optimizer_state_dict(model, optimizer, _read_full(run, full_opt), options=_broadcast_options())
+            else:
+                raise FSDPCheckpointError(f"fsdp: {directory} holds no state for optimizer {optimizer_index} "
+                                          f"({optimizer_name(optimizer_index, True)}/ or "
+                                          f"{optimizer_name(optimizer_index, False)})")
+            optimizer_index += 1
+
+
+def _broadcast_options() -> Any:
+    """Full state dicts are read on rank 0 and broadcast (the others pass ``{}``)."""
+    return _options(full_state_dict=True, broadcast_from_rank0=True) if _distributed() else _options(full_state_dict=True)
+
+
+def _read_full(run: RunContext, path: str) -> dict[str, Any]:
+    if _distributed() and not run.cluster.is_main_process:
+        return {}
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _dcp_load(state: dict[str, Any], path: str, what: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        raise FSDPCheckpointError(f"fsdp: loading the {what} with torch.distributed.checkpoint from {path} failed: "
+                                  f"{_describe(exc)}") from exc
+
+
+# -- export -------------------------------------------------------------------------------------
+
+
+def read_sharded_model(path: str) -> dict[str, torch.Tensor]:
+    """The full model state dict of one ``pytorch_model_fsdp_<i>/`` DCP directory, in this process
+    (no process group): every shard is read and assembled."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys={"model"}),
+                         no_dist=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        raise FSDPCheckpointError(f"fsdp: reading the sharded checkpoint {path} failed: {_describe(exc)}") from exc
+    model = state.get("model")
+    if not isinstance(model, dict):
+        raise FSDPCheckpointError(f"fsdp: {path} is a torch.distributed.checkpoint without a 'model' entry; it was not "
+                                  "written by torchrig's fsdp strategy")
+    return model
+
+
+__all__ = ["FULL", "SHARDED", "FSDPCheckpointError", "full_model_state", "load_state", "model_name", "optimizer_name",
+           "read_sharded_model", "save_state"]

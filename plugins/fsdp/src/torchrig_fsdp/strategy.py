@@ -1,0 +1,541 @@
+"""The ``fsdp`` strategy's runtime: FSDP2, ``torch.distributed.fsdp.fully_shard``.
+
+What it owns (its :class:`~torchrig.types.Capabilities`): precision — FSDP2's
+``MixedPrecisionPolicy`` casts parameters for compute and reduces gradients in fp32, so the
+precision plugin's autocast is not installed — and the checkpoint format (sharded, through
+``torch.distributed.checkpoint``; see :mod:`torchrig_fsdp.checkpoint`). Backward, the optimizer
+step and accumulation stay the core's: the step plan gets a ``no_sync`` that turns off FSDP2's
+gradient reduce-scatter on micro-steps (``set_requires_gradient_sync(False)``), a clipping
+function that computes the global norm over sharded (DTensor) gradients, and, for fp16, a
+``ShardedGradScaler``.
+
+With one process there is nothing to shard (FSDP2 needs a process group): the model is left as
+it is, the precision plugin applies as under ``single``, and checkpoints are still written with
+``torch.distributed.checkpoint`` so that they load at another world size (1→2, 2→1).
+
+Every option of ``fsdp_config`` and how it maps onto FSDP2 is tabled in ``docs/fsdp.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from torchrig.logging import get_logger
+from torchrig.markers import hookimpl
+from torchrig.run import RunContext
+from torchrig.step_plan import StepPlanBuilder
+from torchrig.types import Capabilities, PreparedModel, StashKey
+from torchrig_fsdp import checkpoint as fsdp_checkpoint
+from torchrig_fsdp.manifest import HYBRID, SECTION
+from torchrig_fsdp.options import FullyShardedDataParallelPlugin
+
+logger = get_logger(__name__)
+
+#: The device mesh of this run (built in ``torchrig_configure``; ``None`` with one process).
+MESH = StashKey[Any]("fsdp.mesh")
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+
+
+class FSDPConfigError(ValueError):
+    """An ``fsdp_config`` value that cannot be applied to this model or this job. The message
+    names the key and how to fix it."""
+
+
+def fsdp_options(run: RunContext) -> FullyShardedDataParallelPlugin:
+    """The resolved ``fsdp_config`` section (with Python-only values such as ``ignored_modules``)."""
+    section = getattr(run.config, "section", None)
+    if section is not None:
+        return section(SECTION)
+    fields = {a.name: run.option(f"{SECTION}.{a.name}") for a in FullyShardedDataParallelPlugin.__attrs_attrs__
+              if f"{SECTION}.{a.name}" in run.config}
+    return FullyShardedDataParallelPlugin(**fields)
+
+
+def _written_by_operator(run: RunContext, key: str) -> str | None:
+    """Where ``key`` was set when a config file, an environment variable or a flag set it (an
+    explicit choice for this run); None for defaults and ``Accelerator(...)`` arguments (an options
+    object carries every field, chosen or not)."""
+    source = getattr(run.config, "source", None)
+    if source is None:
+        return None
+    where = source(key)
+    return None if getattr(where.layer, "name", "DEFAULT") in ("DEFAULT", "ARGUMENT") else str(where)
+
+
+class _Once:
+    """Log each explanation once per process (no-op options, fallbacks), not once per prepare."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def info(self, key: str, message: str) -> None:
+        if key not in self.seen:
+            self.seen.add(key)
+            logger.info(message)
+
+
+_noted = _Once()
+
+
+def mesh_shape(strategy: str, world_size: int, num_nodes: int, local_world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The device mesh a sharding strategy asks for: 1-D over every rank for FULL_SHARD and
+    SHARD_GRAD_OP; (replicas, shards) for the hybrids — (machines, processes per machine), so
+    (1, N) on one machine — and (world, 1) for NO_SHARD (replicated parameters)."""
+    if strategy in HYBRID:
+        replicas = num_nodes if num_nodes > 1 and world_size % num_nodes == 0 else max(1, world_size // max(1, local_world_size))
+        return (replicas, world_size // replicas), ("dp_replicate", "dp_shard")
+    if strategy == "NO_SHARD":
+        return (world_size, 1), ("dp_replicate", "dp_shard")
+    return (world_size,), ("dp_shard",)
+
+
+class FSDPStrategy:
+    """FSDP2 runtime. One instance per plugin host (per Accelerator)."""
+
+    def __init__(self) -> None:
+        self.scaler: Any = None
+
+    # -- environment ------------------------------------------------------------------------
+
+    @hookimpl
+    def torchrig_configure(self, run: RunContext) -> None:
+        """Build the device mesh once per run (collective: hybrid meshes create sub-groups)."""
+        if run.cluster.world_size <= 1:
+            run.stash[MESH] = None
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options = fsdp_options(run)
+        assert run.device is not None
+        cluster = run.cluster
+        shape, names = mesh_shape(options.sharding_strategy, cluster.world_size, cluster.num_nodes,
+                                  cluster.local_world_size)
+        run.stash[MESH] = init_device_mesh(run.device.device.type, shape, mesh_dim_names=names)
+        _explain_no_ops(options)
+
+    @hookimpl
+    def torchrig_strategy_capabilities(self, run: RunContext) -> Capabilities:
+        sharded = run.cluster.world_size > 1
+        return Capabilities(owns_precision=sharded, checkpoint_format="sharded",
+                            data_parallel_size=run.cluster.world_size, data_parallel_rank=run.cluster.rank)
+
+    # -- preparation -------------------------------------------------------------------------
+
+    @hookimpl
+    def torchrig_prepare_model(
+        self, run: RunContext, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any], device_placement: bool
+    ) -> PreparedModel:
+        assert run.device is not None
+        device = run.device.device
+        prepared = PreparedModel(model=model, unwrapped=model, optimizers=list(optimizers), schedulers=list(schedulers))
+        mesh = run.stash.get(MESH)
+        if mesh is None:  # one process: nothing to shard
+            if device_placement and not _has_meta(model):
+                model.to(device)
+            return prepared
+        options = fsdp_options(run)
+        slots = _parameter_slots(model)
+        if device_placement and not _has_meta(model):
+            model.to(device)
+        rank0_state = None
+        if options.cpu_ram_efficient_loading:
+            # Only rank 0's weights count; the others may be on the meta device.
+            rank0_state = model.state_dict() if run.cluster.is_main_process else {}
+        elif options.sync_module_states:
+            _broadcast_from_rank0(model)
+        blocks = wrap_blocks(model, options, run)
+        if options.activation_checkpointing:
+            for block in blocks:
+                _checkpoint_forward(block)
+        kwargs = _shard_kwargs(run, options, model, mesh)
+        policy = kwargs.pop("mp_policy")
+        # Blocks return what they computed in (a block's output feeds the next block or the root's
+        # own layers, in param_dtype); only the root's output is cast (output_dtype).
+        block_policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                                            cast_forward_inputs=policy.cast_forward_inputs)
+        for block in blocks:  # children before the blocks containing them, then the root
+            fully_shard(block, mp_policy=block_policy, **kwargs)
+        fully_shard(model, mp_policy=policy, **kwargs)
+        _materialize(model, options, rank0_state, device, run)
+        _set_prefetch(blocks, options)
+        for optimizer in prepared.optimizers:
+            remap_optimizer(optimizer, slots)
+        return prepared
+
+    @hookimpl
+    def torchrig_strategy_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
+        plan.set("no_sync", _no_sync)
+        plan.set("clip_grad_norm", clip_grad_norm)
+        if run.cluster.world_size > 1 and run.option("mixed_precision") == "fp16":
+            self._install_scaler(run, plan)
+
+    def _install_scaler(self, run: RunContext, plan: StepPlanBuilder) -> None:
+        """fp16: FSDP2 computes in fp16 (its policy), so the loss is scaled and the step goes
+        through a ``ShardedGradScaler``, which finds infs across shards and skips those steps."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        assert run.device is not None
+        scaler = ShardedGradScaler(
+            device=run.device.device.type,
+            **{name: run.option(f"grad_scaler_kwargs.{name}", default)
+               for name, default in (("init_scale", 65536.0), ("growth_factor", 2.0), ("backoff_factor", 0.5),
+                                     ("growth_interval", 2000), ("enabled", True))},
+        )
+        self.scaler = scaler
+        unscaled: set[int] = set()
+
+        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            scaler.scale(loss).backward(**kwargs)
+
+        def unscale_gradients(optimizer: Any) -> None:
+            if id(optimizer) not in unscaled:  # GradScaler refuses a second unscale_ before update()
+                scaler.unscale_(optimizer)
+                unscaled.add(id(optimizer))
+
+        def optimizer_step(optimizer: Any) -> bool:
+            scale_before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            unscaled.discard(id(optimizer))
+            return scaler.get_scale() >= scale_before
+
+        plan.set("backward", backward)
+        plan.set("unscale_gradients", unscale_gradients)
+        plan.set("optimizer_step", optimizer_step)
+
+    @hookimpl(optionalhook=True)
+    def torchrig_checkpoint_state(self, run: RunContext) -> dict[str, Any]:
+        """The fp16 loss scale resumes with the run (Accelerate's ``scaler.pt``)."""
+        return {"scaler": self.scaler} if self.scaler is not None else {}
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    @hookimpl
+    def torchrig_save_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> list[str]:
+        return fsdp_checkpoint.save_state(run, prepared, directory, fsdp_options(run).state_dict_type)
+
+    @hookimpl
+    def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> bool:
+        fsdp_checkpoint.load_state(run, prepared, directory)
+        return True
+
+    @hookimpl
+    def torchrig_full_state_dict(self, run: RunContext, prepared: PreparedModel) -> dict[str, Any]:
+        config = fsdp_options(run).state_dict_config or {}
+        return fsdp_checkpoint.full_model_state(run, prepared.unwrapped, rank0_only=config.get("rank0_only", True),
+                                                offload_to_cpu=config.get("offload_to_cpu", True))
+
+
+# -- wrapping -----------------------------------------------------------------------------------
+
+
+def wrap_blocks(model: torch.nn.Module, options: FullyShardedDataParallelPlugin, run: RunContext | None = None) -> list[torch.nn.Module]:
+    """The submodules that get their own ``fully_shard`` (besides the root), children before
+    their parents, following ``auto_wrap_policy``."""
+    policy = options.auto_wrap_policy
+    ignored = {id(m) for m in _as_modules(options.ignored_modules)}
+    candidates = [m for m in _post_order(model) if m is not model and id(m) not in ignored]
+    if policy in (None, "NO_WRAP"):
+        return []
+    if callable(policy):  # FSDP1's protocol: policy(module, recurse, nonwrapped_numel) -> bool
+        return [m for m in candidates if policy(module=m, recurse=False, nonwrapped_numel=_numel(m))]
+    if policy == "SIZE_BASED_WRAP":
+        return _size_based(model, options.min_num_params, ignored)
+    names = options.transformer_layer_cls_to_wrap
+    key = f"{SECTION}.transformer_layer_cls_to_wrap"
+    if not names:
+        names = _no_split_modules(model)
+        if not names:
+            chosen = _written_by_operator(run, f"{SECTION}.auto_wrap_policy") if run is not None else "the options"
+            if chosen is None:
+                _noted.info("fsdp.root-only", (
+                    f"fsdp: {type(model).__name__} declares no _no_split_modules and {key} is not set: only the root "
+                    "module is sharded (one all-gather for the whole model). Set transformer_layer_cls_to_wrap or "
+                    "auto_wrap_policy: SIZE_BASED_WRAP to shard blocks separately."))
+                return []
+            raise FSDPConfigError(
+                f"{key}: auto_wrap_policy is TRANSFORMER_BASED_WRAP ({chosen}) but no classes are given and "
+                f"{type(model).__name__} declares no _no_split_modules; set {key} (e.g. --fsdp_transformer_layer_cls_to_wrap "
+                "MyBlock), or choose auto_wrap_policy SIZE_BASED_WRAP or NO_WRAP")
+    present = {type(m).__name__ for m in candidates}
+    missing = [name for name in names if name not in present]
+    if missing:
+        raise FSDPConfigError(
+            f"{key}: no module of class {', '.join(repr(n) for n in missing)} in {type(model).__name__}; its submodule "
+            f"classes are: {', '.join(sorted(present)) or '(none)'}")
+    wanted = set(names)
+    return [m for m in candidates if type(m).__name__ in wanted]
+
+
+def _post_order(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _size_based(model: torch.nn.Module, min_num_params: int, ignored: set[int]) -> list[torch.nn.Module]:
+    """torch's ``size_based_auto_wrap_policy``: bottom-up, a submodule whose parameters not yet in a
+    wrapped child reach ``min_num_params`` gets its own ``fully_shard``. 0 means the root only."""
+    if min_num_params <= 0:
+        return []
+    blocks: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> int:
+        remaining = sum(p.numel() for p in module.parameters(recurse=False))
+        for child in module.children():
+            if id(child) not in ignored:
+                remaining += visit(child)
+        if module is not model and remaining >= min_num_params:
+            blocks.append(module)
+            return 0
+        return remaining
+
+    visit(model)
+    return blocks
+
+
+def _no_split_modules(model: torch.nn.Module) -> list[str]:
+    """Hugging Face models name their repeated blocks in ``_no_split_modules`` (on the model or on
+    a submodule, e.g. the base model inside a task head)."""
+    names: list[str] = []
+    for module in model.modules():
+        for name in getattr(module, "_no_split_modules", None) or ():
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def _as_modules(value: Any) -> list[torch.nn.Module]:
+    if value is None:
+        return []
+    if isinstance(value, torch.nn.Module):
+        return [value]
+    return [m for m in value if isinstance(m, torch.nn.Module)]
+
+
+def _checkpoint_forward(block: torch.nn.Module) -> None:
+    """Activation checkpointing of one block: its forward runs under ``torch.utils.checkpoint``
+    (non-reentrant), inside FSDP2's hooks, so the recomputation in backward finds the block's
+    parameters gathered. Parameter names are unchanged (unlike ``checkpoint_wrapper``)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = checkpointed
+
+
+def mixed_precision_policy(run: RunContext, options: FullyShardedDataParallelPlugin) -> MixedPrecisionPolicy:
+    """``mixed_precision`` bf16/fp16: parameters cast to it for compute, gradients reduced in fp32,
+    the root's outputs returned in fp32 (the loss is computed in full precision, as with autocast).
+    ``fsdp_config.mixed_precision_policy`` overrides single fields."""
+    fields: dict[str, Any] = {}
+    dtype = _DTYPES.get(str(run.option("mixed_precision") or "no"))
+    if dtype is not None and dtype is not torch.float32:
+        fields = {"param_dtype": dtype, "reduce_dtype": torch.float32, "output_dtype": torch.float32}
+    for name, value in (options.mixed_precision_policy or {}).items():
+        if name == "buffer_dtype":
+            _noted.info("fsdp.buffer_dtype", f"fsdp: {SECTION}.mixed_precision_policy.buffer_dtype has no effect: FSDP2 "
+                                            "does not cast buffers")
+            continue
+        if isinstance(value, str):
+            value = _DTYPES[value.lower().removeprefix("torch.")]
+        fields[name] = value
+    return MixedPrecisionPolicy(**fields)
+
+
+def _shard_kwargs(run: RunContext, options: FullyShardedDataParallelPlugin, model: torch.nn.Module, mesh: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": options.resolved_reshard_after_forward,
+                              "mp_policy": mixed_precision_policy(run, options)}
+    if options.cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    ignored = {p for m in _as_modules(options.ignored_modules) for p in m.parameters()}
+    if ignored:
+        kwargs["ignored_params"] = ignored
+    return kwargs
+
+
+def _set_prefetch(blocks: list[torch.nn.Module], options: FullyShardedDataParallelPlugin) -> None:
+    """``forward_prefetch``: each block starts the next block's all-gather during its forward
+    (FSDP2's explicit forward prefetch). Backward prefetching of the next block is FSDP2's default."""
+    if options.forward_prefetch:
+        for block, following in itertools.pairwise(blocks):
+            block.set_modules_to_forward_prefetch([following])
+
+
+def _explain_no_ops(options: FullyShardedDataParallelPlugin) -> None:
+    """FSDP1 options FSDP2 has no knob for: accepted, and said once (docs/fsdp.md tables them)."""
+    if options.backward_prefetch == "BACKWARD_POST":
+        _noted.info("fsdp.backward_post", f"fsdp: {SECTION}.backward_prefetch BACKWARD_POST has no FSDP2 equivalent; "
+                                         "FSDP2 prefetches the next block's all-gather in backward (as BACKWARD_PRE)")
+    elif options.backward_prefetch == "NO_PREFETCH":
+        _noted.info("fsdp.no_prefetch", f"fsdp: {SECTION}.backward_prefetch NO_PREFETCH: no explicit prefetching is set; "
+                                       "FSDP2 still overlaps the next block's all-gather in backward (it has no off switch)")
+    if not options.use_orig_params:
+        _noted.info("fsdp.use_orig_params", f"fsdp: {SECTION}.use_orig_params has no effect: FSDP2 always keeps the "
+                                           "original parameters (as DTensors)")
+    if not options.limit_all_gathers:
+        _noted.info("fsdp.limit_all_gathers", f"fsdp: {SECTION}.limit_all_gathers has no effect: FSDP2 limits "
+                                             "in-flight all-gathers itself")
+
+
+# -- parameters, optimizers ---------------------------------------------------------------------
+
+
+def _has_meta(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def _parameter_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Any]]:
+    """Where each parameter lives (module, attribute name, the parameter object) before sharding:
+    ``fully_shard`` replaces the objects in place, so these slots find the new ones."""
+    return [(module, name, param) for module in model.modules() for name, param in module._parameters.items()
+            if param is not None]
+
+
+def remap_optimizer(optimizer: torch.optim.Optimizer, slots: list[tuple[torch.nn.Module, str, Any]]) -> int:
+    """Point an optimizer built over the unsharded model at the sharded parameters that replaced
+    them (and move any existing per-parameter state, sharded like its parameter). Returns how many
+    parameters were remapped. Accelerate leaves such optimizers on the old tensors, which then
+    never change (accelerate#3209)."""
+    replaced: dict[int, Any] = {}
+    for module, name, old in slots:
+        new = module._parameters.get(name)
+        if new is not None and new is not old:
+            replaced[id(old)] = new
+    count = 0
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for index, param in enumerate(params):
+            new = replaced.get(id(param))
+            if new is None:
+                continue
+            params[index] = new
+            count += 1
+            if param in optimizer.state:
+                optimizer.state[new] = _shard_state(optimizer.state.pop(param), param, new)
+    return count
+
+
+def _shard_state(state: dict[str, Any], old: Any, new: Any) -> dict[str, Any]:
+    """Optimizer state of a parameter (e.g. Adam's moments, from steps taken before ``prepare``)
+    laid out like the sharded parameter; scalars (``step``) stay as they are."""
+    from torch.distributed.tensor import distribute_tensor
+
+    result = {}
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.shape == old.shape and value.dim() > 0:
+            value = distribute_tensor(value.to(new.device), new.device_mesh, new.placements)
+        result[key] = value
+    return result
+
+
+def _broadcast_from_rank0(model: torch.nn.Module) -> None:
+    """``sync_module_states``: every rank starts from rank 0's parameters and buffers."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if not tensor.is_meta:
+                dist.broadcast(tensor.data, src=0)
+
+
+def _materialize(model: torch.nn.Module, options: FullyShardedDataParallelPlugin, rank0_state: dict[str, Any] | None,
+                 device: torch.device, run: RunContext) -> None:
+    """Meta-device parameters get storage after sharding (each rank only its shard); then either
+    rank 0's weights are broadcast into them (``cpu_ram_efficient_loading``) or ``param_init_fn``
+    initialises each module that had meta tensors."""
+    meta_modules = [m for m in model.modules()
+                    if any(t.is_meta for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])]
+    if meta_modules:
+        model.to_empty(device=device)
+    if rank0_state is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, rank0_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    elif meta_modules:
+        if options.param_init_fn is None:
+            raise FSDPConfigError(
+                f"{SECTION}.param_init_fn: the model has parameters on the meta device but nothing initialises them; "
+                "pass FullyShardedDataParallelPlugin(param_init_fn=...) or set cpu_ram_efficient_loading: true with "
+                "real weights on rank 0")
+        for module in meta_modules:
+            options.param_init_fn(module)
+
+
+# -- the step plan ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _no_sync(model: Any) -> Iterator[None]:
+    """Micro-steps accumulate unsharded gradients locally: no reduce-scatter until the step that syncs."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``clip_grad_norm_`` whose norm covers every shard: DTensor gradients are grouped by mesh and
+    placement, each group's norm is made global, the groups are combined, then every gradient is
+    scaled. Returns a plain tensor, equal on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else grad.device
+        groups.setdefault(key, []).append(grad)
+    norms = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm(members, norm_type=norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    device = norms[0].device
+    norms = [n.to(device) for n in norms]
+    if math.isinf(norm_type):
+        total = torch.stack(norms).max()
+    else:
+        total = torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for key, members in groups.items():
+            if isinstance(key, tuple):  # DTensor gradients: the same factor on every shard
+                mesh = key[0]
+                factor = DTensor.from_local(coefficient.to(members[0].device), mesh, [Replicate()] * mesh.ndim,
+                                            run_check=False)
+            else:
+                factor = coefficient.to(key)
+            for grad in members:
+                grad.mul_(factor)
+    return total
+
+
+__all__ = ["MESH", "FSDPConfigError", "FSDPStrategy", "clip_grad_norm", "mesh_shape", "mixed_precision_policy",
+           "remap_optimizer", "wrap_blocks"]
