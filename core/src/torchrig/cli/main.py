@@ -1,4 +1,6 @@
-"""``torchrig`` console script: subcommands ``plugins``, ``env``, ``config`` and ``launch``.
+"""``torchrig`` console script: subcommands ``plugins``, ``env``, ``config`` and ``launch``, plus the
+commands installed distributions contribute through the ``torchrig.commands`` entry-point group
+(:mod:`torchrig.cli.commands`; e.g. ``merge-weights`` from torchrig-fsdp).
 
 Usage and plugin errors print one message and exit with code 2 — never a traceback.
 """
@@ -14,6 +16,8 @@ from torchrig._version import __version__
 from torchrig.errors import TorchrigError
 
 EXIT_USAGE = 2
+#: Names a contributed command (``torchrig.commands`` entry point) cannot take.
+BUILTIN_COMMANDS = ("plugins", "config", "launch", "env")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="versions, devices and settings to paste into a bug report")
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(handler=_run_env)
+
+    from torchrig.cli.commands import add_commands, discover_commands
+
+    add_commands(sub, discover_commands(reserved=BUILTIN_COMMANDS))
     return parser
 
 
