@@ -34,7 +34,14 @@ def _elastic_environ(rank: int, world_size: int) -> dict[str, str]:
 
 @contextlib.contextmanager
 def rank_environment(rank: int, world_size: int) -> Iterator[None]:
-    """Set elastic's variables (and an empty TORCHRIG config home) for one task, then restore."""
+    """Set elastic's variables (and an empty TORCHRIG config home) for one task, then restore.
+
+    Pool workers run many tasks in one interpreter: Accelerators of earlier tasks live in
+    reference cycles until collected, and a live one of another strategy would refuse this
+    task's (one strategy per process group), so they are collected first."""
+    import gc
+
+    gc.collect()
     saved = dict(os.environ)
     for key in [k for k in os.environ if k.startswith("TORCHRIG_")]:
         del os.environ[key]
@@ -70,9 +77,13 @@ def _batch(rank: int, size: int = 8, seed: int = 0) -> tuple[Any, Any]:
 
 
 def _flat_params(model: Any) -> list[float]:
+    """Every parameter as a list of floats; sharded parameters (DTensors) are gathered first."""
     import torch
 
-    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]).tolist()
+    def full(p: Any) -> Any:
+        return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+    return torch.cat([full(p.detach()).reshape(-1).cpu() for p in model.parameters()]).tolist()
 
 
 def task_step(ctx: Any, strategy: str, options: Mapping[str, Any], steps: int) -> dict[str, Any]:
