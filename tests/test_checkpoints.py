@@ -510,7 +510,8 @@ def test_kill_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, proc
 def test_random_sigkills_of_every_process_during_training_lose_nothing(tmp_path, process_guard):
     """The issue's "done when": save every step with total_limit=2, SIGKILL everything at random
     moments, relaunch with load_state() each time, end bit-identical to an uninterrupted run."""
-    code, out = _finish(_train(tmp_path, tmp_path / "straight", process_guard, "--steps", "30", processes=2))
+    steps = "150"  # long enough that most attempts are killed mid-run
+    code, out = _finish(_train(tmp_path, tmp_path / "straight", process_guard, "--steps", steps, processes=2))
     assert code == 0, out
     project = tmp_path / "killed"
     rng = random.Random(20261122)
@@ -518,13 +519,13 @@ def test_random_sigkills_of_every_process_during_training_lose_nothing(tmp_path,
     log = project / "log-rank0.jsonl"
     for _attempt in range(40):
         lines_before = len(log.read_text().splitlines()) if log.exists() else 0
-        proc = _train(tmp_path, project, process_guard, "--steps", "30", processes=2)
+        proc = _train(tmp_path, project, process_guard, "--steps", steps, processes=2)
         started = time.monotonic()
         while proc.poll() is None and time.monotonic() - started < RUN_TIMEOUT:  # until this attempt trains
             if log.exists() and len(log.read_text().splitlines()) > lines_before:
                 break
             time.sleep(0.02)
-        deadline = time.monotonic() + rng.uniform(0.0, 2.0)  # then a random moment: mid-step or mid-save
+        deadline = time.monotonic() + rng.uniform(0.0, 1.5)  # then a random moment: mid-step or mid-save
         while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.01)
         if proc.poll() is not None:

@@ -128,4 +128,41 @@ class StepPlanBuilder:
             raise KeyError(f"unknown step plan slot {slot!r}; slots are: {', '.join(SLOTS)}")
 
 
-__all__ = ["SLOTS", "StepPlan", "StepPlanBuilder", "default_slots"]
+#: ``GradScalerKwargs`` fields and their defaults (``grad_scaler_kwargs.*`` in the configuration).
+GRAD_SCALER_OPTIONS = (("init_scale", 65536.0), ("growth_factor", 2.0), ("backoff_factor", 0.5),
+                       ("growth_interval", 2000), ("enabled", True))
+
+
+def grad_scaler_kwargs(run: Any) -> dict[str, Any]:
+    """The configured ``GradScalerKwargs``, as keyword arguments of a (sharded) GradScaler."""
+    return {name: run.option(f"grad_scaler_kwargs.{name}", default) for name, default in GRAD_SCALER_OPTIONS}
+
+
+def install_loss_scaling(plan: StepPlanBuilder, scaler: Any) -> None:
+    """Set ``backward``, ``unscale_gradients`` and ``optimizer_step`` to go through ``scaler``
+    (a ``torch.amp.GradScaler`` or FSDP's ``ShardedGradScaler``): fp16 training, for the fp16
+    precision plugin and for strategies that bring their own scaler."""
+    unscaled: set[int] = set()
+
+    def backward(loss: Any, **kwargs: Any) -> None:
+        scaler.scale(loss).backward(**kwargs)
+
+    def unscale_gradients(optimizer: Any) -> None:
+        if id(optimizer) not in unscaled:  # GradScaler refuses a second unscale_ before update()
+            scaler.unscale_(optimizer)
+            unscaled.add(id(optimizer))
+
+    def optimizer_step(optimizer: Any) -> bool:
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        unscaled.discard(id(optimizer))
+        return scaler.get_scale() >= scale_before  # False: an overflow skipped the step
+
+    plan.set("backward", backward)
+    plan.set("unscale_gradients", unscale_gradients)
+    plan.set("optimizer_step", optimizer_step)
+
+
+__all__ = ["GRAD_SCALER_OPTIONS", "SLOTS", "StepPlan", "StepPlanBuilder", "default_slots", "grad_scaler_kwargs",
+           "install_loss_scaling"]

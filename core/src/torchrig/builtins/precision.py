@@ -11,7 +11,7 @@ import torch
 
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
-from torchrig.step_plan import StepPlanBuilder
+from torchrig.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_loss_scaling
 
 
 class PrecisionPlugin:
@@ -73,31 +73,5 @@ class Float16Precision(PrecisionPlugin):
     def torchrig_precision_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
         super().torchrig_precision_step_plan(run, plan)
         assert run.device is not None
-        scaler = torch.amp.GradScaler(
-            run.device.autocast_device_type,
-            **{name: run.option(f"grad_scaler_kwargs.{name}", default)
-               for name, default in (("init_scale", 65536.0), ("growth_factor", 2.0), ("backoff_factor", 0.5),
-                                     ("growth_interval", 2000), ("enabled", True))},
-        )
-        self.scaler = scaler
-        unscaled: set[int] = set()
-
-        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
-            scaler.scale(loss).backward(**kwargs)
-
-        def unscale_gradients(optimizer: Any) -> None:
-            # GradScaler refuses a second unscale_ of one optimizer before update().
-            if id(optimizer) not in unscaled:
-                scaler.unscale_(optimizer)
-                unscaled.add(id(optimizer))
-
-        def optimizer_step(optimizer: Any) -> bool:
-            scale_before = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            unscaled.discard(id(optimizer))
-            return scaler.get_scale() >= scale_before
-
-        plan.set("backward", backward)
-        plan.set("unscale_gradients", unscale_gradients)
-        plan.set("optimizer_step", optimizer_step)
+        self.scaler = torch.amp.GradScaler(run.device.autocast_device_type, **grad_scaler_kwargs(run))
+        install_loss_scaling(plan, self.scaler)

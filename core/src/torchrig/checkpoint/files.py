@@ -139,12 +139,11 @@ def _snapshot(obj: Any, staging: dict[str, Any], key: str) -> Any:
     import torch
 
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:  # sparse and other layouts: a plain copy
+            return obj.detach().to("cpu", copy=True)
         buffer = staging.get(key)
-        if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype or obj.layout != torch.strided:
-            buffer = staging[key] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu") \
-                if obj.layout == torch.strided else obj.detach().to("cpu", copy=True)
-            if obj.layout != torch.strided:
-                return buffer
+        if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
+            buffer = staging[key] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu")
         buffer.copy_(obj.detach())
         return buffer
     if isinstance(obj, Mapping):

@@ -68,7 +68,8 @@ class _PendingSave:
     def __init__(self, target: str, work: Callable[[], str]) -> None:
         self.target = target
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(work,), name="torchrig-checkpoint", daemon=True)
+        # Not a daemon: an interpreter that reaches its end first finishes the save.
+        self._thread = threading.Thread(target=self._run, args=(work,), name="torchrig-checkpoint", daemon=False)
         self._thread.start()
 
     def _run(self, work: Callable[[], str]) -> None:
@@ -173,13 +174,14 @@ class CheckpointManager:
                                   deferred=async_save, staging=self._staging)
         extra_files: list[str] = []
         local_error: str | None = None
-        try:
+        base: dict[str, Any] = {}
+        try:  # nothing may skip the agreement below, or the other ranks would wait for this one
+            base = self._manifest_base(decision["sequence"], hashes)
             extra_files = self._write_state(writer)
         except _PASS_THROUGH:
             raise
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             local_error = _describe(exc)
-        base = self._manifest_base(decision["sequence"], hashes)
         if root is not None:  # taken even if the save fails: numbers are never reused (as with async saves)
             self.iteration += 1
 
@@ -441,10 +443,19 @@ class CheckpointManager:
         if manifest is None:
             raise CheckpointError(f"rank {rank} cannot read the manifest of {directory} (is the directory on a disk "
                                   "this node can see?)")
-        self._restore(directory, manifest)
+        error = None
+        try:
+            self._restore(directory, manifest)
+        except _PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            error = f"rank {rank}: {_describe(exc)}"
+        errors = [e for e in collectives.gather_object([error]) if e]
+        if errors:  # every rank raises, none waits for a rank that failed
+            raise CheckpointError(f"loading {directory} failed; the prepared objects are partly loaded, load again "
+                                  "or restart: " + "; ".join(errors))
         if rank == 0:
             layout.remove_leftovers(os.path.dirname(directory))
-        collectives.barrier()
         return directory
 
     def _resolve_load_dir(self, input_dir: str | os.PathLike[str] | None) -> str:

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchrig.logging import get_logger
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
-from torchrig.step_plan import StepPlanBuilder
+from torchrig.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_loss_scaling
 from torchrig.types import Capabilities, PreparedModel, StashKey
 from torchrig_fsdp import checkpoint as fsdp_checkpoint
 from torchrig_fsdp.manifest import HYBRID, SECTION
@@ -186,33 +186,8 @@ class FSDPStrategy:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         assert run.device is not None
-        scaler = ShardedGradScaler(
-            device=run.device.device.type,
-            **{name: run.option(f"grad_scaler_kwargs.{name}", default)
-               for name, default in (("init_scale", 65536.0), ("growth_factor", 2.0), ("backoff_factor", 0.5),
-                                     ("growth_interval", 2000), ("enabled", True))},
-        )
-        self.scaler = scaler
-        unscaled: set[int] = set()
-
-        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
-            scaler.scale(loss).backward(**kwargs)
-
-        def unscale_gradients(optimizer: Any) -> None:
-            if id(optimizer) not in unscaled:  # GradScaler refuses a second unscale_ before update()
-                scaler.unscale_(optimizer)
-                unscaled.add(id(optimizer))
-
-        def optimizer_step(optimizer: Any) -> bool:
-            scale_before = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            unscaled.discard(id(optimizer))
-            return scaler.get_scale() >= scale_before
-
-        plan.set("backward", backward)
-        plan.set("unscale_gradients", unscale_gradients)
-        plan.set("optimizer_step", optimizer_step)
+        self.scaler = ShardedGradScaler(device=run.device.device.type, **grad_scaler_kwargs(run))
+        install_loss_scaling(plan, self.scaler)
 
     @hookimpl(optionalhook=True)
     def torchrig_checkpoint_state(self, run: RunContext) -> dict[str, Any]:
