@@ -30,6 +30,7 @@ from torchrig.plugin_manager import PluginHost
 from torchrig.run import RunContext
 from torchrig.runtime import build_step_plan, claim_world, detect_cluster, start_run
 from torchrig.step_plan import StepPlan
+from torchrig.tracking import TrackerHub
 from torchrig.types import PreparedModel
 
 #: Accelerate arguments torchrig does not support, and why (passing one is an error, never ignored).
@@ -198,6 +199,7 @@ class Accelerator:
         self._accumulate = _AccumulateContext(self)
         self.flag_tensor: Any = None
         self._checkpoints = CheckpointManager(self)
+        self._trackers = TrackerHub(self._run)
 
     def _configure_accumulation(self) -> None:
         """Gradient accumulation settings: ``GradientAccumulationPlugin``, then the fields a
@@ -281,6 +283,41 @@ class Accelerator:
         if logging_dir is None:
             return project_dir
         return os.path.join(project_dir, logging_dir) if project_dir else logging_dir
+
+    # -- experiment tracking (torchrig.tracking; docs/trackers.md) ---------------------------
+
+    def init_trackers(self, project_name: str, config: Mapping[str, Any] | None = None,
+                      init_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        """Start one run per tracker of ``log_with`` — on the main process only — and record
+        ``config`` plus the resolved torchrig configuration (with sources) once. ``init_kwargs``:
+        ``{tracker name: arguments}`` (e.g. ``{"wandb": {"entity": "me"}}``). Call on every rank."""
+        self._trackers.init(project_name, config, init_kwargs, logging_dir=self.logging_dir)
+
+    def log(self, values: Mapping[str, Any], step: int | None = None,
+            log_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        """Send ``values`` at ``step`` (None: the step after the last one) to every tracker;
+        returns at once — trackers run on background threads and never stop training."""
+        self._trackers.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker ``name`` (calls through it are queued like ``log``), or with ``unwrap`` the
+        library's own object (W&B run, SummaryWriter...). On ranks where it does not run: a
+        stand-in whose calls do nothing."""
+        return self._trackers.get(name, unwrap)
+
+    @property
+    def trackers(self) -> list[Any]:
+        """The trackers running on this process (none on ranks other than the main one)."""
+        return self._trackers.handles
+
+    def end_training(self) -> dict[str, dict[str, Any]]:
+        """Finish every tracker (each waited for at most its ``wait_timeout``); returns this
+        process's report ``{tracker: {state, delivered, dropped, errors, ...}}``, also recorded
+        in the rank's status file. Call on every rank. Also waits for an asynchronous checkpoint
+        save to commit, and raises its failure."""
+        report = self._trackers.finish()
+        self._checkpoints.wait()
+        return report
 
     # -- preparation ----------------------------------------------------------------------
 

@@ -243,6 +243,9 @@ class Observer:
             "warnings": status.get("warnings") or [],
             "logs": self._logs(rank),
         }
+        for extra in ("trackers", "last_checkpoint"):  # what the Accelerator recorded (status.record)
+            if status.get(extra) is not None:
+                record[extra] = status[extra]
         if record["state"] == _status.RUNNING:  # the wrapper never wrote its end: killed, or no wrapper
             self._from_exit(record, seen, failure, failures_known)
         elif record["state"] == _status.FAILED and seen and record["ended_at"] is None:

@@ -398,15 +398,24 @@ def torchrig_checkpoint_committed(run: RunContext, directory: str, manifest: Map
 
 
 @hookspec
-def torchrig_create_trackers(run: RunContext, project_name: str, logging_dir: str | None) -> list[Tracker]:
+def torchrig_create_trackers(
+    run: RunContext, project_name: str, logging_dir: str | None, init_kwargs: Mapping[str, Mapping[str, Any]]
+) -> list[Tracker]:
     """Create this tracker plugin's tracker(s) for the run.
 
     - phase: ``init_trackers``.
     - ranks: the main process only, by core policy (not repeated in each tracker): a job makes
       one run per tracker, not one per rank.
     - kind: collecting, over the selected tracker plugins.
-    - return: :class:`~torchrig.tracking.Tracker` objects; the core calls them from a bounded
-      background queue so a failing or blocking tracker never stops or slows training.
+    - arguments: ``project_name`` — ``init_trackers``' first argument (W&B project, MLflow
+      experiment, directory under ``logging_dir``); ``logging_dir`` — the project's logging
+      directory (``project_config.logging_dir`` under ``project_dir``), None when neither is
+      set; ``init_kwargs`` — ``init_trackers(init_kwargs=...)``, keyed by tracker name: a plugin
+      passes its own entry to its library.
+    - return: :class:`~torchrig.tracking.Tracker` objects, created cheaply (no I/O: connecting
+      belongs in ``Tracker.start``). The core calls them from a bounded background queue so a
+      failing or blocking tracker never stops or slows training; a ``TypeError``/``ValueError``
+      raised here (bad ``init_kwargs``) fails ``init_trackers`` naming the plugin.
     - default: none.
     """
 

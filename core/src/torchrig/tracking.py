@@ -1,41 +1,782 @@
-"""The tracker interface that tracker plugins implement.
+"""Experiment trackers: the :class:`Tracker` interface and the core's tracking policy.
 
-Tracker plugins answer ``torchrig_create_trackers`` with :class:`Tracker` objects. The core
-calls them on the main process only, from a background queue, so one tracker failing or
-blocking never stops or slows training.
+Tracker plugins answer ``torchrig_create_trackers`` with :class:`Tracker` objects; users may
+also pass their own ``Tracker`` instances in ``log_with``. The policy that must be the same for
+every tracker lives here, in the core, not in each tracker (see docs/trackers.md):
+
+* **Once per run.** Trackers run on the main process only (a tracker instance that sets
+  ``main_process_only = False`` also runs on the other ranks): a job makes one run per tracker,
+  not one per rank.
+* **Never fatal, never in the way.** Each tracker has its own bounded queue and worker thread.
+  ``log()`` snapshots the values and returns; a tracker that raises, or blocks (network down),
+  loses events — counted, with rate-limited warnings — but never stops or slows training.
+  ``end_training()`` waits a bounded time (``Tracker.wait_timeout``) for each tracker to drain
+  and finish, returns what each delivered and dropped, and records it in this rank's status
+  file (merged by ``torchrig launch`` into ``run_status.json``).
+* **One step model.** ``step`` is an integer >= 0 (usually the optimizer step); ``step=None``
+  means "the step after the last one logged" (0 first), so every tracker sees the same step. A
+  step lower than the last one is passed on unchanged to trackers that accept it (csv, jsonl,
+  TensorBoard, MLflow record it as given) and refused — counted as dropped — by trackers that
+  declare ``monotonic_steps = True`` (W&B ignores such data).
+* **Hyperparameters once.** ``init_trackers`` hands each tracker, once, the user's ``config``
+  plus the resolved torchrig configuration (``torchrig``) and where each non-default value came
+  from (``torchrig_sources``), see :func:`run_hyperparameters`.
+
+Torch-free at import (the configuration layer imports :class:`Tracker`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import atexit
+import collections
+import enum
+import functools
+import logging
+import numbers
+import operator
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchrig.run import RunContext
+
+logger = logging.getLogger("torchrig.tracking")
+
+#: Warnings per tracker shown at once before rate limiting starts, and the interval after which
+#: one more (with the number suppressed meanwhile) is shown.
+WARNING_BURST = 3
+WARNING_INTERVAL = 60.0
+#: Why an event did not reach its tracker (the report's counters summed into ``dropped``).
+DROP_REASONS = ("failed", "queue_full", "rejected_steps", "abandoned", "not_started")
 
 
 class Tracker:
-    """Base class of experiment trackers (Accelerate's ``GeneralTracker`` names).
+    """Base class of experiment trackers, with Hugging Face Accelerate's ``GeneralTracker`` names.
 
-    ``name`` is the plugin's name; ``tracker`` is the underlying library object (W&B run,
-    SummaryWriter...) returned by ``get_tracker(name, unwrap=True)``.
+    Subclass it for a custom tracker (pass the instance in ``log_with``) or return instances from
+    a tracker plugin's ``torchrig_create_trackers``. The core calls every method from the
+    tracker's own worker thread, one call at a time, in order:
+    ``start()`` → ``store_init_configuration()`` → ``log()``/``log_images()``/``log_table()``... →
+    ``finish()``. A method that raises loses that one event (counted and reported); a method
+    that blocks makes the tracker fall behind and lose the events that no longer fit in its
+    queue. Neither stops the training loop.
+
+    Keep ``__init__`` cheap and free of I/O (it runs in ``init_trackers`` on the training
+    thread); connect, create the run and open files in :meth:`start`.
+
+    Values reach :meth:`log` as the user passed them, snapshotted at the call (tensors are
+    detached copies): use :func:`as_scalar` and :func:`flatten` to turn them into what the
+    library accepts. Do not modify them: every tracker receives the same objects.
     """
 
+    #: The name in ``log_with``, ``init_kwargs``, ``log_kwargs`` and ``get_tracker``.
     name: str = "tracker"
-    #: Whether calls must happen on the main process only (the core's default policy).
+    #: Whether the tracker writes under ``logging_dir`` (informational, as in Accelerate).
+    requires_logging_directory: bool = False
+    #: Run on the main process only (the default policy). ``False``: on every rank.
     main_process_only: bool = True
+    #: The library refuses a step lower than the last one logged (W&B): the core drops such
+    #: events for this tracker, counted as ``rejected_steps``, instead of sending them.
+    monotonic_steps: bool = False
+    #: Events that may wait for this tracker; beyond, new events are dropped (``queue_full``).
+    queue_size: int = 1000
+    #: Seconds the core waits for this tracker when it must: ``end_training`` (drain the queue
+    #: and ``finish``) and ``get_tracker(name, unwrap=True)`` before ``start`` completed.
+    wait_timeout: float = 30.0
 
     @property
     def tracker(self) -> Any:
+        """The library's own object (W&B run, ``SummaryWriter``, MLflow run), for
+        ``get_tracker(name, unwrap=True)``. Default: the tracker itself."""
         return self
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
-        """Record hyperparameters (the resolved config, with sources) once per run."""
-        raise NotImplementedError(f"tracker {self.name!r} does not record hyperparameters")
+    def start(self) -> None:
+        """Connect and create the run (called once, first, on the worker thread). Default: nothing to start."""
 
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        """Record scalar (or tracker-specific) values at ``step``."""
-        raise NotImplementedError(f"tracker {self.name!r} does not implement log()")
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        """Record the run's hyperparameters, once: the user's ``config`` plus ``torchrig``
+        (resolved configuration) and ``torchrig_sources`` (where non-default values came from).
+        Default: not recorded."""
+
+    def log(self, values: Mapping[str, Any], step: int | None, **kwargs: Any) -> None:
+        """Record ``values`` (name -> number, string, tensor...) at ``step``. Must be implemented.
+
+        ``kwargs`` are this tracker's entry of ``log_kwargs``.
+        """
+        raise NotImplementedError(f"tracker {self.name!r} ({type(self).__qualname__}) does not implement log()")
+
+    def log_images(self, values: Mapping[str, Any], step: int | None, **kwargs: Any) -> None:
+        """Record images (name -> image or list/batch of images) at ``step``. Optional: a tracker
+        that does not override it is skipped by ``log_images`` calls."""
+        raise NotImplementedError(f"tracker {self.name!r} does not support log_images()")
+
+    def log_table(self, table_name: str, columns: list[str] | None = None, data: list[list[Any]] | None = None,
+                  dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:
+        """Record a table (``columns`` + rows in ``data``, or a pandas ``dataframe``). Optional,
+        like :meth:`log_images`."""
+        raise NotImplementedError(f"tracker {self.name!r} does not support log_table()")
 
     def finish(self) -> None:
-        """Flush and close. Called once by ``end_training``."""
+        """Flush and close (called once, last, by ``end_training`` or at interpreter exit).
+        Default: nothing to close."""
+
+    def supports(self, method: str) -> bool:
+        """Whether this tracker implements an optional method (``"log_images"``, ``"log_table"``)."""
+        return getattr(type(self), method, None) is not getattr(Tracker, method, None)
 
 
-__all__ = ["Tracker"]
+# --------------------------------------------------------------------------------------------
+# helpers for tracker authors
+
+
+def as_scalar(value: Any) -> int | float | bool | None:
+    """A Python number for numbers, numpy scalars and one-element tensors/arrays; else None."""
+    if isinstance(value, (bool, int, float)):
+        return value
+    item = getattr(value, "item", None)
+    if callable(item):
+        numel = getattr(value, "numel", None)
+        count = numel() if callable(numel) else getattr(value, "size", None)
+        if count == 1:
+            result = item()
+            return result if isinstance(result, (bool, int, float)) else None
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def flatten(values: Mapping[str, Any], sep: str = "/", prefix: str = "") -> dict[str, Any]:
+    """Nested mappings joined into one level: ``{"a": {"b": 1}}`` -> ``{"a/b": 1}``."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, sep, name))
+        else:
+            out[name] = value
+    return out
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as JSON types: scalars as numbers, tensors/arrays as nested lists, enums by
+    value, mappings and sequences recursively, anything else as ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return jsonable(value.value)
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    scalar = as_scalar(value)
+    if scalar is not None:
+        return scalar
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return jsonable(tolist())
+    return str(value)
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy that later in-place changes by the training loop cannot alter: tensors are
+    detached clones (no device synchronisation), numpy arrays copies, containers rebuilt."""
+    if isinstance(value, (str, bytes, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_snapshot(v) for v in value)
+    detach = getattr(value, "detach", None)
+    if callable(detach) and callable(getattr(value, "clone", None)):
+        return value.detach().clone()
+    if type(value).__module__ == "numpy" and callable(getattr(value, "copy", None)):
+        return value.copy()
+    return value
+
+
+def _resolve_step(step: Any, last: int) -> int:
+    if step is None:
+        return last + 1
+    if isinstance(step, bool):
+        raise TypeError(f"step must be an integer >= 0 or None, got {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise TypeError(f"step must be an integer >= 0 or None, got {type(step).__name__} {step!r}") from None
+    if value < 0:
+        raise ValueError(f"step must be >= 0, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# one tracker: queue, worker thread, counters
+
+
+class _Stop:
+    """The last event of a lane: call ``finish`` and end the worker."""
+
+
+_STOP = _Stop()
+
+
+class _Warner:
+    """Rate-limited warnings of one tracker: the first :data:`WARNING_BURST` at once, then at
+    most one per :data:`WARNING_INTERVAL` seconds, saying how many were suppressed meanwhile."""
+
+    def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.shown = 0
+        self.suppressed = 0
+        self.last_shown = float("-inf")
+
+    def __call__(self, message: str) -> None:
+        with self.lock:
+            now = self.clock()
+            if self.shown >= WARNING_BURST and now - self.last_shown < WARNING_INTERVAL:
+                self.suppressed += 1
+                return
+            suffix = f" ({self.suppressed} similar warnings suppressed)" if self.suppressed else ""
+            self.shown, self.suppressed, self.last_shown = self.shown + 1, 0, now
+        logger.warning("tracker %r: %s%s", self.name, message, suffix)
+
+
+class _Lane:
+    """One tracker with its bounded queue and worker thread."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+        self.name = str(tracker.name)
+        self.capacity = max(1, int(tracker.queue_size))
+        self.warn = _Warner(self.name)
+        self.cond = threading.Condition()
+        self.events: collections.deque[Any] = collections.deque()
+        self.started = threading.Event()  # start() returned or raised
+        self.start_error: str | None = None
+        self.closed = False  # no more events accepted
+        self.abandoned = False  # end_training stopped waiting; the worker must not go on
+        self.busy_since: float | None = None
+        self.busy_with: str | None = None
+        self.last_step: int | None = None  # last step accepted (monotonic trackers)
+        #: delivered: calls that returned; failed: events whose call raised; errors: every exception
+        #: (start and finish too); the other keys count events that never reached the tracker.
+        self.counts = {"delivered": 0, "failed": 0, "errors": 0, "queue_full": 0, "rejected_steps": 0,
+                       "abandoned": 0, "not_started": 0, "unsupported": 0}
+        self.last_error: str | None = None
+        self.state = "running"
+        self.thread = threading.Thread(target=self._work, name=f"torchrig-tracker-{self.name}", daemon=True)
+        self.thread.start()
+
+    # -- training thread side ---------------------------------------------------------------
+
+    def submit(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], step: int | None = None) -> bool:
+        """Queue one call; never blocks. Returns whether it was queued."""
+        if method in ("log_images", "log_table") and not self.tracker.supports(method):
+            with self.cond:
+                self.counts["unsupported"] += 1
+                first = self.counts["unsupported"] == 1
+            if first:
+                self.warn(f"does not support {method}(); such calls are skipped for this tracker")
+            return False
+        with self.cond:
+            if self.closed:
+                return False
+            if step is not None and self.tracker.monotonic_steps:
+                if self.last_step is not None and step < self.last_step:
+                    self.counts["rejected_steps"] += 1
+                    rejected = self.last_step
+                else:
+                    self.last_step, rejected = step, None
+            else:
+                rejected = None
+            if rejected is None and len(self.events) >= self.capacity:
+                self.counts["queue_full"] += 1
+                full = True
+            else:
+                full = False
+                if rejected is None:
+                    self.events.append((method, args, dict(kwargs)))
+                    self.cond.notify()
+            busy = self._busy_text()
+        if rejected is not None:
+            self.warn(f"step {step} is lower than the last step logged ({rejected}) and this tracker needs "
+                      f"increasing steps; the event was dropped (log with increasing steps)")
+            return False
+        if full:
+            self.warn(f"falling behind ({self.capacity} events waiting{busy}); new events are dropped until it catches up")
+            return False
+        return True
+
+    def close(self) -> None:
+        with self.cond:
+            if not self.closed:
+                self.closed = True
+                self.events.append(_STOP)
+                self.cond.notify()
+
+    def join(self, deadline: float) -> None:
+        """Wait until the worker finished or ``deadline`` (monotonic) passed; then abandon it."""
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+        if not self.thread.is_alive():
+            return
+        with self.cond:
+            self.abandoned = True
+            left = [e for e in self.events if e is not _STOP]
+            in_flight = self.busy_with not in (None, "start", "finish")  # its outcome will not be counted
+            self.counts["abandoned"] += len(left) + in_flight
+            self.events.clear()
+            busy = self._busy_text()
+            self.state = "abandoned"
+            self.cond.notify()
+        logger.warning("tracker %r: did not finish within %.1f s%s; %d queued events dropped, its thread is left "
+                       "behind", self.name, self.tracker.wait_timeout, busy, len(left))
+
+    def unwrap(self) -> Any:
+        """The library object, once ``start`` completed (waiting up to ``wait_timeout``)."""
+        if not self.started.wait(self.tracker.wait_timeout):
+            logger.warning("tracker %r: not started within %.1f s; get_tracker(unwrap=True) returns a stand-in that "
+                           "ignores every call", self.name, self.tracker.wait_timeout)
+            return BlankTracker(self.name)
+        if self.start_error is not None:
+            logger.warning("tracker %r: failed to start (%s); get_tracker(unwrap=True) returns a stand-in that "
+                           "ignores every call", self.name, self.start_error)
+            return BlankTracker(self.name)
+        return self.tracker.tracker
+
+    def report(self) -> dict[str, Any]:
+        with self.cond:
+            counts = dict(self.counts)
+            state, last_error = self.state, self.last_error
+        dropped = sum(counts[k] for k in DROP_REASONS)
+        return {"state": state, "delivered": counts["delivered"], "dropped": dropped, **counts, "last_error": last_error}
+
+    def _busy_text(self) -> str:
+        """Where the worker is stuck, when one call has taken over a second (network down)."""
+        if self.busy_since is None or time.monotonic() - self.busy_since < 1.0:
+            return ""
+        return f"; blocked in {self.busy_with}() for {time.monotonic() - self.busy_since:.1f} s"
+
+    # -- worker thread side ------------------------------------------------------------------
+
+    def _work(self) -> None:
+        self._call("start", (), {})
+        with self.cond:
+            if self.counts["errors"]:
+                self.start_error = self.last_error
+        self.started.set()
+        while True:
+            with self.cond:
+                while not self.events and not self.abandoned:
+                    self.cond.wait()
+                if self.abandoned:
+                    return
+                event = self.events.popleft()
+            if event is _STOP:
+                if self.start_error is None:
+                    self._call("finish", (), {})
+                with self.cond:
+                    if self.state == "running":
+                        self.state = "failed" if self.start_error is not None else "finished"
+                return
+            method, args, kwargs = event
+            if self.start_error is not None:
+                with self.cond:
+                    self.counts["not_started"] += 1
+                continue
+            if self._call(method, args, kwargs):
+                with self.cond:
+                    if self.abandoned:  # counted as abandoned while it was in flight
+                        return
+                    self.counts["delivered"] += 1
+
+    def _call(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+        with self.cond:
+            if self.abandoned:
+                return False
+            self.busy_since, self.busy_with = time.monotonic(), method
+        try:
+            getattr(self.tracker, method)(*args, **kwargs)
+            return True
+        except Exception as exc:  # noqa: BLE001 -- a tracker never stops training: counted and reported
+            text = f"{type(exc).__name__}: {exc}"
+            with self.cond:
+                if self.abandoned:
+                    return False
+                self.counts["errors"] += 1
+                if method not in ("start", "finish"):
+                    self.counts["failed"] += 1
+                self.last_error = text
+            what = "failed to start; its events will be dropped" if method == "start" else f"{method}() raised"
+            self.warn(f"{what}: {text}")
+            return False
+        finally:
+            with self.cond:
+                self.busy_since = self.busy_with = None
+
+
+# --------------------------------------------------------------------------------------------
+# what users hold
+
+
+class TrackerHandle:
+    """A tracker of this run, as ``get_tracker(name)`` and ``trackers`` give it.
+
+    ``log``, ``log_images``, ``log_table`` and ``store_init_configuration`` go through the
+    tracker's queue, like ``Accelerator.log`` (never blocking, never raising the tracker's
+    errors); ``tracker`` is the library's own object (waits for ``start``); other attributes
+    are the :class:`Tracker`'s own (``handle.run_dir``...).
+    """
+
+    def __init__(self, hub: TrackerHub, lane: _Lane) -> None:
+        self._hub = hub
+        self._lane = lane
+
+    @property
+    def name(self) -> str:
+        return self._lane.name
+
+    @property
+    def tracker(self) -> Any:
+        return self._lane.unwrap()
+
+    @property
+    def unwrapped(self) -> Tracker:
+        """The :class:`Tracker` object itself (its methods run on the calling thread)."""
+        return self._lane.tracker
+
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        self._lane.submit("store_init_configuration", (_snapshot(dict(values)),), {})
+
+    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        values, step = self._hub._prepare(values, step)
+        self._lane.submit("log", (values, step), kwargs, step)
+
+    def log_images(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        values, step = self._hub._prepare(values, step)
+        self._lane.submit("log_images", (values, step), kwargs, step)
+
+    def log_table(self, table_name: str, columns: list[str] | None = None, data: list[list[Any]] | None = None,
+                  dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:
+        _, step = self._hub._prepare({}, step)
+        payload = dict(kwargs, columns=_snapshot(columns), data=_snapshot(data), dataframe=_snapshot(dataframe), step=step)
+        self._lane.submit("log_table", (table_name,), payload, step)
+
+    def finish(self) -> dict[str, Any]:
+        """Finish this tracker now (``end_training`` finishes every tracker); returns its report."""
+        self._lane.close()
+        self._lane.join(time.monotonic() + self._lane.tracker.wait_timeout)
+        return self._lane.report()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._lane.tracker, name)
+
+    def __repr__(self) -> str:
+        return f"<TrackerHandle {self.name!r} ({type(self._lane.tracker).__qualname__})>"
+
+
+class BlankTracker(Tracker):
+    """The stand-in ``get_tracker`` returns where the tracker does not run (ranks other than
+    the main process, or a tracker that failed to start): every method and attribute is a
+    no-op, so code written for the main process runs harmlessly everywhere."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Ignored."""
+
+    def log_images(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Ignored."""
+
+    def log_table(self, table_name: str, columns: list[str] | None = None, data: list[list[Any]] | None = None,
+                  dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:
+        """Ignored."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _ignore
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<BlankTracker {self.name!r}: does not run on this process>"
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """What every call on a :class:`BlankTracker` does: nothing."""
+
+
+# --------------------------------------------------------------------------------------------
+# the hub: the policy
+
+
+class TrackerHub:
+    """The run's trackers and the core's tracking policy (one per Accelerator).
+
+    The Accelerator's ``init_trackers``/``log``/``get_tracker``/``trackers``/``end_training``
+    delegate here. Every rank validates the same things (names, ``init_kwargs``, steps) so a
+    mistake fails everywhere alike; only the process that runs a tracker creates and feeds it.
+    """
+
+    def __init__(self, run: RunContext) -> None:
+        self._run = run
+        self._lanes: list[_Lane] = []
+        self._handles: list[TrackerHandle] = []
+        self._names: list[str] = []  # every tracker of the run, on whichever rank it runs
+        self._last_step = -1
+        self._initialised = False
+        self._report: dict[str, dict[str, Any]] = {}
+        self._atexit: Callable[[], None] | None = None
+        self._finish_lock = threading.Lock()
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def handles(self) -> list[TrackerHandle]:
+        return list(self._handles)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def get(self, name: str, unwrap: bool = False) -> Any:
+        for handle in self._handles:
+            if handle.name == name:
+                return handle.tracker if unwrap else handle
+        if name in self._names or (not self._initialised and name in self._requested_names()):
+            return BlankTracker(name)  # runs on another process, or not started yet / finished
+        known = self._names if self._initialised else self._requested_names()
+        raise ValueError(f"{name!r} is not a tracker of this run; its trackers: {', '.join(known) or 'none'}"
+                         + ("" if self._initialised else " (init_trackers() has not been called)"))
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def init(self, project_name: str, config: Mapping[str, Any] | None = None,
+             init_kwargs: Mapping[str, Mapping[str, Any]] | None = None, *, logging_dir: str | None = None) -> None:
+        if self._initialised:
+            raise RuntimeError("init_trackers() was already called for this Accelerator; call end_training() "
+                               "before starting new tracker runs")
+        if not isinstance(project_name, str) or not project_name:
+            raise ValueError(f"init_trackers(project_name=...): expected a non-empty string, got {project_name!r}")
+        if config is not None and not isinstance(config, Mapping):
+            raise TypeError(f"init_trackers(config=...): expected a mapping of hyperparameters, got {type(config).__name__}")
+        kwargs_by_tracker = self._check_init_kwargs(init_kwargs)
+        instances = self._instances()
+        plugin_names = self._requested_names(include_instances=False)
+        names = plugin_names + [t.name for t in instances]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"log_with has several trackers named {', '.join(map(repr, duplicates))}; tracker names "
+                             "must be unique (give your Tracker subclass another name)")
+        unknown = sorted(set(kwargs_by_tracker) - set(names))
+        if unknown:
+            raise ValueError(f"init_trackers(init_kwargs=...) has entries for {', '.join(map(repr, unknown))}, which "
+                             f"{'is' if len(unknown) == 1 else 'are'} not in log_with; trackers of this run: "
+                             f"{', '.join(names) or 'none'}")
+        main = self._run.cluster.is_main_process
+        trackers: list[Tracker] = self._create_plugin_trackers(project_name, logging_dir, kwargs_by_tracker) if main else []
+        trackers += [t for t in instances if main or not t.main_process_only]
+        created = [t.name for t in trackers]
+        clashes = sorted({n for n in created if created.count(n) > 1})
+        if clashes:
+            raise ValueError(f"several trackers of this run are named {', '.join(map(repr, clashes))}: "
+                             f"{', '.join(type(t).__qualname__ for t in trackers if t.name in clashes)}")
+        self._names = list(dict.fromkeys([*names, *created]))  # the same order on every rank
+        hyperparameters = run_hyperparameters(self._run, config) if trackers else {}
+        lanes = [_Lane(tracker) for tracker in trackers]
+        for lane in lanes:
+            lane.submit("store_init_configuration", (hyperparameters,), {})
+        self._lanes = lanes
+        self._handles = [TrackerHandle(self, lane) for lane in lanes]
+        self._initialised = True
+        self._report = {}
+        if lanes:  # finished at exit if end_training is never called (holds the lanes, not the run)
+            self._atexit = functools.partial(_finish_lanes, lanes)
+            atexit.register(self._atexit)
+
+    def log(self, values: Mapping[str, Any], step: int | None = None,
+            log_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        values, step = self._prepare(values, step)
+        if not self._lanes:
+            return
+        per_tracker = log_kwargs or {}
+        for lane in self._lanes:
+            lane.submit("log", (values, step), per_tracker.get(lane.name, {}), step)
+
+    def finish(self) -> dict[str, dict[str, Any]]:
+        """Drain and finish every tracker (bounded by each one's ``wait_timeout``); the report
+        ``{tracker: {state, delivered, dropped, errors, ...}}`` of this process."""
+        with self._finish_lock:
+            lanes, self._lanes, self._handles = self._lanes, [], []
+            if self._atexit is not None:
+                atexit.unregister(self._atexit)
+                self._atexit = None
+            if not self._initialised:
+                return dict(self._report)  # finished already (or never started): the last report
+            self._initialised = False
+            self._report = _finish_lanes(lanes)
+            return dict(self._report)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _prepare(self, values: Mapping[str, Any], step: Any) -> tuple[dict[str, Any], int]:
+        if not isinstance(values, Mapping):
+            raise TypeError(f"log(values=...): expected a mapping of name -> value, got {type(values).__name__}")
+        bad = [k for k in values if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"log(values=...): names must be strings, got {bad[:3]!r}")
+        resolved = _resolve_step(step, self._last_step)
+        self._last_step = resolved
+        return (_snapshot(dict(values)) if self._lanes else dict(values)), resolved
+
+    def _log_with(self) -> list[Any]:
+        return list(self._run.config.get("log_with") or [])
+
+    def _instances(self) -> list[Tracker]:
+        instances = [t for t in self._log_with() if not isinstance(t, str)]
+        for tracker in instances:
+            if not isinstance(tracker, Tracker):
+                raise TypeError(f"log_with: {tracker!r} is neither a tracker name nor a torchrig.Tracker instance")
+            if not tracker.supports("log"):
+                raise TypeError(f"log_with: tracker {tracker.name!r} ({type(tracker).__qualname__}) does not implement "
+                                "log(values, step, **kwargs)")
+        return instances
+
+    def _requested_names(self, include_instances: bool = True) -> list[str]:
+        """Tracker plugins selected for this run (``"all"`` already expanded) and instances."""
+        host = self._run.plugins
+        names = [info.name for info in host.selected("tracker")] if host is not None else []
+        if include_instances:
+            names += [t.name for t in self._log_with() if isinstance(t, Tracker)]
+        return names
+
+    @staticmethod
+    def _check_init_kwargs(init_kwargs: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+        if init_kwargs is None:
+            return {}
+        if not isinstance(init_kwargs, Mapping):
+            raise TypeError("init_trackers(init_kwargs=...): expected {tracker name: {argument: value}}, "
+                            f"got {type(init_kwargs).__name__}")
+        out = {}
+        for name, kwargs in init_kwargs.items():
+            if not isinstance(kwargs, Mapping):
+                raise TypeError(f"init_trackers(init_kwargs={{{name!r}: ...}}): expected a mapping of arguments for "
+                                f"that tracker, got {type(kwargs).__name__}")
+            out[str(name)] = dict(kwargs)
+        return out
+
+    def _create_plugin_trackers(self, project_name: str, logging_dir: str | None,
+                                init_kwargs: Mapping[str, Mapping[str, Any]]) -> list[Tracker]:
+        """``torchrig_create_trackers`` on the main process, one plugin at a time so an error
+        names the plugin. Creating is cheap by contract (no I/O): an error here is a mistake in
+        the arguments, reported at once."""
+        host = self._run.plugins
+        if host is None:
+            return []
+        created: list[Tracker] = []
+        for owner, call in host.iter_impls("torchrig_create_trackers", run=self._run, project_name=project_name,
+                                           logging_dir=logging_dir, init_kwargs=init_kwargs):
+            try:
+                trackers = call() or []
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"tracker plugin {owner!r}: {exc} (check init_kwargs[{owner.partition(':')[2]!r}])") from exc
+            for tracker in trackers:
+                if not isinstance(tracker, Tracker):
+                    raise TypeError(f"tracker plugin {owner!r} returned {tracker!r} from torchrig_create_trackers; "
+                                    "expected torchrig.Tracker instances")
+                created.append(tracker)
+        return created
+
+
+def _finish_lanes(lanes: list[_Lane]) -> dict[str, dict[str, Any]]:
+    """Close every lane, wait for each (all at once) at most its tracker's ``wait_timeout``,
+    and publish the report. Also run at interpreter exit for trackers never finished."""
+    started = time.monotonic()
+    for lane in lanes:
+        lane.close()
+    for lane in lanes:
+        lane.join(started + float(lane.tracker.wait_timeout))
+    report = {lane.name: lane.report() for lane in lanes}
+    if report:
+        _publish(report)
+    return report
+
+
+def _publish(report: Mapping[str, Mapping[str, Any]]) -> None:
+    """Warn about losses and record the report in this rank's status file (``torchrig launch``
+    merges the warnings into ``run_status.json``)."""
+    from torchrig.launch import status
+
+    warnings = []
+    for name, row in report.items():
+        if row["dropped"] or row["errors"] or row["state"] != "finished":
+            detail = ", ".join(f"{row[k]} {k.replace('_', ' ')}" for k in DROP_REASONS if row[k])
+            last = f"; last error: {row['last_error']}" if row["last_error"] else ""
+            message = (f"tracker {name!r} {row['state']}: delivered {row['delivered']} events, dropped "
+                       f"{row['dropped']} ({detail or 'none'}){last}")
+            warnings.append(message)
+            logger.warning(message)
+    status.record(trackers=dict(report), **({"warnings": warnings} if warnings else {}))
+
+
+# --------------------------------------------------------------------------------------------
+# hyperparameters
+
+
+def run_hyperparameters(run: RunContext, user_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What ``store_init_configuration`` receives: the user's ``config``, plus
+
+    * ``torchrig``: the resolved configuration, nested as a config file writes it — every core
+      key, the sections of the core and of the plugins this run selected, and any other key a
+      source set;
+    * ``torchrig_sources``: for each value not at its default, where it came from
+      (``"flag --mixed_precision"``, ``"config file run.yaml:3"``...);
+    * ``torchrig_run``: the number of processes and the torchrig version.
+
+    A user key with one of these names wins over torchrig's.
+    """
+    from torchrig._version import __version__
+    from torchrig.config.resolve import Layer, Schema
+
+    config = run.config
+    sources: Mapping[str, Any] = getattr(config, "sources", {})
+    owners = Schema(run.plugins).section_owner if run.plugins is not None else {}
+    selected = {info.key for info in run.plugins.plugins() if info.status.value == "selected"} if run.plugins else set()
+    values: dict[str, Any] = {}
+    origins: dict[str, Any] = {}
+    for key in config:
+        section, _, field = key.rpartition(".")
+        source = sources.get(key)
+        is_set = source is not None and source.layer is not Layer.DEFAULT
+        owner = owners.get(section, "the core")
+        if section and not (is_set or owner == "the core" or owner in selected):
+            continue
+        value = config[key]
+        if key == "log_with":
+            value = [v if isinstance(v, str) else getattr(v, "name", type(v).__name__) for v in value or ()]
+        _put(values, section, field, jsonable(value))
+        if is_set:
+            _put(origins, section, field, str(source))
+    ours = {"torchrig": values, "torchrig_sources": origins,
+            "torchrig_run": {"num_processes": run.cluster.world_size, "torchrig_version": __version__}}
+    user = dict(user_config or {})
+    return {**user, **{key: value for key, value in ours.items() if key not in user}}
+
+
+def _put(target: dict[str, Any], section: str, field: str, value: Any) -> None:
+    (target.setdefault(section, {}) if section else target)[field] = value
+
+
+__all__ = [
+    "BlankTracker", "Tracker", "TrackerHandle", "TrackerHub", "as_scalar", "flatten", "jsonable", "run_hyperparameters",
+]

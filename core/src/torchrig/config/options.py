@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from torchrig.config.schema import at_least, between, option
+from torchrig.tracking import Tracker  # Accelerator(log_with=[MyTracker()]) passes instances
 from torchrig.types import ConfigSection
 
 
@@ -66,8 +67,8 @@ class CoreOptions:
     rdzv_endpoint: str | None = option(None, help="rendezvous endpoint HOST:PORT (default: main_process_ip:main_process_port)")
     gpu_ids: str | None = option(None, help="GPUs to use: 'all' or a comma-separated list of indices", normalize=_gpu_ids)
     gradient_accumulation_steps: int = option(1, help="micro-steps per optimizer step", validator=at_least(1))
-    log_with: list[str] = option(factory=list, help="tracker plugins to log to ('all': every installed one)",
-                                 choices_from_kind="tracker")
+    log_with: list[str | Tracker] = option(factory=list, help="tracker plugins to log to ('all': every installed one)",
+                                           choices_from_kind="tracker")
     disable_plugins: list[str] = option(factory=list, help="plugins to disable: 'kind:name' or a bare name")
     strict_config: bool = option(False, help="make overriding an explicit Accelerator(...) argument an error, not a warning")
 
