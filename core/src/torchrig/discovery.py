@@ -55,7 +55,9 @@ def installed_distributions() -> list[md.Distribution]:
     seen: set[str] = set()
     unique = []
     for dist in md.distributions():
-        name = dist.metadata["Name"]
+        # The name from the metadata directory's path, when importlib has it: parsing every
+        # distribution's METADATA costs tens of milliseconds on each start.
+        name = getattr(dist, "_normalized_name", None) or dist.metadata["Name"]
         if not name:
             continue
         norm = normalize_distribution_name(name)
@@ -71,13 +73,14 @@ def scan(distributions: Iterable[md.Distribution]) -> list[PluginRecord]:
     found: dict[tuple[str, PluginKind, str], dict[str, str]] = {}
     versions: dict[str, str] = {}
     for dist in distributions:
+        entry_points = [ep for ep in dist.entry_points if ep.group in GROUPS]
+        if not entry_points:  # most distributions: no metadata to parse
+            continue
         dist_name = dist.metadata["Name"]
         if not dist_name:
             continue
         versions[dist_name] = dist.version
-        for ep in dist.entry_points:
-            if ep.group not in GROUPS:
-                continue
+        for ep in entry_points:
             kind, is_manifest = GROUPS[ep.group]
             slot = found.setdefault((dist_name, kind, ep.name), {})
             slot["manifest" if is_manifest else "runtime"] = ep.value

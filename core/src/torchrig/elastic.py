@@ -1,8 +1,8 @@
 """The core's default launch: torch.distributed.elastic, the engine torchrun uses.
 
 ``torchrig launch`` builds a :class:`~torchrig.types.LaunchPlan`; this module runs the workers of
-this node with elastic's ``LocalElasticAgent`` and a c10d rendezvous — not a home-made spawner —
-and adds what torchrun lacks (see ``docs``/REFERENCE "Launch"):
+this node with elastic's ``LocalElasticAgent`` — not a home-made spawner — and a c10d rendezvous
+across machines (one machine needs none: :class:`SingleNodeRendezvous`), and adds what torchrun lacks (see ``docs``/REFERENCE "Launch"):
 
 * **A fresh master port per attempt.** By default elastic shares its rendezvous TCPStore with
   the workers, so every restart reuses one ``MASTER_PORT`` and the keys the previous attempt's
@@ -30,6 +30,7 @@ Imports torch: only called from the ``torchrig_launch`` hook.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import shutil
@@ -71,6 +72,54 @@ def free_port(host: str = "") -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+class SingleNodeRendezvous(RendezvousHandler):
+    """One machine: no peer to wait for, so no c10d rendezvous round (whose join path sleeps a
+    random fraction of a second). The agent keeps a TCPStore of its own on a free loopback port;
+    every attempt gets a fresh prefix of it and a fresh master port for the workers, who host
+    their own store there (``use_agent_store`` is false), so a restart starts clean."""
+
+    def __init__(self, run_id: str, first_port: int = 0, timeout_s: float = 900.0) -> None:
+        self.run_id = run_id
+        self.first_port = first_port  # main_process_port, when given: the first attempt's master port
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._store: Any = None
+        self._attempt = 0
+        self._closed = False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        from torch.distributed import PrefixStore, TCPStore
+
+        if self._store is None:
+            self._store = TCPStore("127.0.0.1", 0, 1, True, self.timeout, multi_tenant=True)
+        self._attempt += 1
+        store = PrefixStore(f"{self.run_id}/{self._attempt}", self._store)
+        port = self.first_port if self._attempt == 1 and self.first_port else free_port("127.0.0.1")
+        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo("127.0.0.1", port))
+
+    def get_backend(self) -> str:
+        return "torchrig-single-node"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def shutdown(self) -> bool:
+        self._store = None
+        return True
 
 
 class MachineRankRendezvous(RendezvousHandler):
@@ -350,6 +399,9 @@ def _quiet_elastic_logging() -> None:
 def _rendezvous(plan: LaunchPlan) -> tuple[RendezvousHandler, str | None, int | None]:
     backend = plan.rdzv_backend or "c10d"
     single = plan.num_nodes == 1
+    if backend == "local":
+        port = int(plan.rdzv_endpoint.rpartition(":")[2] or 0)
+        return SingleNodeRendezvous(f"{plan.run_id}-{uuid.uuid4().hex[:8]}", first_port=port), None, None
     endpoint = plan.rdzv_endpoint
     host = endpoint.rpartition(":")[0] or "127.0.0.1"
     master_addr = plan.master_addr or ("127.0.0.1" if single else host)

@@ -322,7 +322,10 @@ def work_out_layout(config: ResolvedConfig) -> Layout:
     if total % machines:
         raise ConfigError(f"num_processes {total} ({source}) is not a multiple of num_machines {machines}: "
                           f"each machine runs num_processes / num_machines workers")
-    backend = config.get("rdzv_backend") or "c10d"
+    # One machine and no rendezvous asked for: nothing to wait for, so no rendezvous round at all
+    # ("local": torchrig.elastic.SingleNodeRendezvous); otherwise c10d unless configured.
+    local = machines == 1 and not config.get("rdzv_backend") and not config.get("rdzv_endpoint")
+    backend = "local" if local else (config.get("rdzv_backend") or "c10d")
     ip = config.get("main_process_ip")
     port = config.get("main_process_port")
     if machines == 1:
@@ -368,7 +371,7 @@ def preflight(layout: Layout, timeout: float) -> list[str]:
     warnings: list[str] = []
     host, _, port_text = layout.rdzv_endpoint.rpartition(":")
     port = int(port_text)
-    if layout.rdzv_backend not in ("c10d", "static"):
+    if layout.rdzv_backend not in ("c10d", "static", "local"):
         return warnings
     if layout.num_machines == 1 or layout.machine_rank == 0:
         what = "main_process_port" if layout.num_machines == 1 else "the rendezvous this machine (machine_rank 0) hosts"

@@ -46,8 +46,9 @@ def _owners(host: PluginHost, hook: str) -> list[str]:
 def rank_environment(plan: LaunchPlan, local_rank: int) -> dict[str, str]:
     """The variables that decide where a rank sits, as elastic and the launcher will set them."""
     rank = plan.node_rank * plan.nproc_per_node + local_rank
-    static = plan.rdzv_backend == "static"
     host, _, port = plan.rdzv_endpoint.rpartition(":")
+    # A fixed master port: static rendezvous, or one machine with main_process_port given.
+    static = plan.rdzv_backend == "static" or (plan.rdzv_backend == "local" and port not in ("", "0"))
     env = {
         "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),
