@@ -388,16 +388,13 @@ def test_plugin_flags_set_section_keys_and_two_strategy_switches_conflict(host, 
     assert config["deepspeed_config.gradient_clipping"] == 1.0
 
 
-def test_plugins_json_lists_strategies_as_unavailable_without_runtime():
+def test_plugins_json_lists_the_first_party_strategies_as_available():
     result = run_cli("plugins", "--json")
     assert result.returncode == 0, result.stderr
     rows = {(r["kind"], r["name"]): r for r in json.loads(result.stdout)["plugins"]}
-    assert rows[("strategy", "ddp")]["status"] == "available"  # its runtime exists
-    assert rows[("strategy", "fsdp")]["status"] == "available"
-    for name, dist in (("deepspeed", "torchrig-deepspeed"),):
+    for name, dist in (("ddp", "torchrig-ddp"), ("fsdp", "torchrig-fsdp"), ("deepspeed", "torchrig-deepspeed")):
         row = rows[("strategy", name)]
-        assert row["status"] == "unavailable" and row["distribution"] == dist and row["summary"]
-        assert "no runtime entry point" in row["reason"]
+        assert row["status"] == "available" and row["distribution"] == dist and row["summary"], row
 
 
 def test_manifests_options_and_schema_do_not_import_torch_or_deepspeed():

@@ -42,3 +42,25 @@ class TestFSDPStrategyBF16(StrategyContract):
     world_size = 2
     options = {"mixed_precision": "bf16"}
     atol = 5e-2
+
+
+def _deepspeed(**fields):
+    from torchrig_deepspeed.options import DeepSpeedPlugin
+
+    return {"deepspeed_plugin": DeepSpeedPlugin(**fields)}
+
+
+class TestDeepSpeedStrategyZeRO2(StrategyContract):
+    """DeepSpeed ZeRO-2 engines: the engine owns backward, step, accumulation, clipping, checkpoints."""
+
+    strategy = "deepspeed"
+    world_size = 2
+    options = _deepspeed(zero_stage=2)
+
+
+class TestDeepSpeedStrategyZeRO0(StrategyContract):
+    """DeepSpeed without ZeRO (stage 0): plain data parallelism inside the engine."""
+
+    strategy = "deepspeed"
+    world_size = 2
+    options = _deepspeed(zero_stage=0)

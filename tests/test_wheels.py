@@ -60,11 +60,12 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
     builtins = {(r["kind"], r["name"]) for r in listing if r["distribution"] == "torchrig" and r["version"] == version}
     assert {("strategy", "single"), ("precision", "no"), ("precision", "fp16"), ("precision", "bf16"),
             ("device", "cpu"), ("device", "cuda"), ("device", "mps")} <= builtins
-    for row in listing:  # first-party strategies ship their config manifests before their runtimes
-        if row["kind"] == "tracker" and row["status"] == "unavailable":  # its library is not in this venv
+    for row in listing:
+        if row["status"] == "unavailable" and (row["kind"] == "tracker" or row["name"] == "deepspeed"):
+            # its library is not in this venv (DeepSpeed is installed without its dependencies)
             assert f"pip install 'torchrig[{row['name']}]'" in row["reason"], row
             continue
-        assert row["status"] in ("selected", "available") or "no runtime entry point" in (row["reason"] or ""), row
+        assert row["status"] in ("selected", "available"), row
     trackers = {r["name"]: r["status"] for r in listing if r["kind"] == "tracker"}
     assert trackers == {"csv": "available", "jsonl": "available", "tensorboard": "unavailable",
                         "wandb": "unavailable", "mlflow": "unavailable"}, trackers

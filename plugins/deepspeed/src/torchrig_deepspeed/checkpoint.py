@@ -1,0 +1,152 @@
+"""DeepSpeed engine checkpoints inside the core's checkpoint directory, and full-weight export.
+
+Each engine saves with ``engine.save_checkpoint(directory, tag=…, save_latest=False)`` into the
+core's temporary directory: model ``i`` under the tag ``pytorch_model`` (``pytorch_model_<i>``
+after the first, Accelerate's names), so its files are ``<tag>/mp_rank_00_model_states.pt`` (the
+model, and at stage 0 in fp32 the optimizer), ``<tag>/*zero_pp_rank_<r>_mp_rank_00_optim_states.pt``
+(each rank's optimizer partition under ZeRO and DeepSpeed's bf16 optimizer),
+``<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (ZeRO-3's per-rank parameters), plus DeepSpeed's
+recovery scripts ``zero_to_fp32.py``/``zero_to_torch.py`` next to the tags. Every rank writes its
+own files; the hook returns exactly those (recorded from DeepSpeed's checkpoint engine), and the
+core fsyncs, sizes, manifests and commits them.
+
+DeepSpeed's ``latest`` file is never written and never read: the tag is always passed, and what
+is committed is decided by the core's manifest. ``load_checkpoint`` is asked for the tag and its
+``None`` ("nothing loaded", which DeepSpeed only logs) is an error here.
+
+A checkpoint whose optimizer state is partitioned per rank loads only at the world size it was
+saved with; another world size is an error pointing at DeepSpeed's universal checkpoint
+conversion (``ds_to_universal``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torchrig.run import RunContext
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchrig_deepspeed.strategy import EngineRecord
+
+#: Accelerate's tag of the first model's engine checkpoint.
+MODEL_TAG = "pytorch_model"
+#: Scripts DeepSpeed copies next to the tags (rank 0, when optimizer state is partitioned).
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+class DeepSpeedCheckpointError(RuntimeError):
+    """Saving or loading DeepSpeed engine state failed; the message names the model and the fix."""
+
+
+def tag_for(index: int) -> str:
+    return MODEL_TAG if index == 0 else f"{MODEL_TAG}_{index}"
+
+
+def _describe(record: EngineRecord) -> str:
+    return f"model #{record.index} ({type(record.module).__name__}, tag {record.tag!r})"
+
+
+class _Recording:
+    """Stands in for the engine's checkpoint engine during a save: every ``save(state, path)``
+    goes through and ``path`` is remembered (the files this rank wrote)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.paths: list[str] = []
+
+    def save(self, state_dict: Any, path: str) -> Any:
+        result = self._inner.save(state_dict, path)
+        self.paths.append(os.fspath(path))
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def save_state(run: RunContext, records: Sequence[EngineRecord], directory: str) -> list[str]:
+    """Every engine's checkpoint under its tag in ``directory``; the paths (relative to
+    ``directory``) of the files this rank wrote."""
+    written: list[str] = []
+    for record in records:
+        engine = record.engine
+        checkpoint_engine = engine.checkpoint_engine
+        if checkpoint_engine.is_decoupled():
+            raise DeepSpeedCheckpointError(
+                f"deepspeed: {_describe(record)} uses a decoupled checkpoint engine, which writes after save_checkpoint "
+                "returns; torchrig commits a checkpoint only once every file is written. Remove the decoupled "
+                "checkpoint writer from the DeepSpeed config's 'checkpoint' block")
+        recording = _Recording(checkpoint_engine)
+        engine.checkpoint_engine = recording
+        try:
+            engine.save_checkpoint(directory, tag=record.tag, save_latest=False)
+        except Exception as exc:
+            raise DeepSpeedCheckpointError(f"deepspeed: saving {_describe(record)} into {directory} failed: "
+                                           f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            engine.checkpoint_engine = checkpoint_engine
+        written.extend(recording.paths)
+        offloaded = os.path.join(directory, record.tag, "offloaded_tensors")
+        if engine.zero_nvme_offload_optimizer() and os.path.isdir(offloaded):  # DeepSpeed copies its swap files
+            rank_dir = os.path.join(offloaded, f"rank{engine.local_rank if engine.use_node_local_storage() else engine.global_rank}")
+            for root, _, names in os.walk(rank_dir):
+                written.extend(os.path.join(root, name) for name in names)
+    if run.cluster.is_main_process:
+        written.extend(os.path.join(directory, name) for name in RECOVERY_SCRIPTS
+                       if os.path.isfile(os.path.join(directory, name)))
+    relative = [os.path.relpath(path, directory).replace(os.sep, "/") for path in written]
+    return sorted(set(relative))
+
+
+def _partitioned(record: EngineRecord) -> bool:
+    """Whether this engine writes optimizer state per rank (ZeRO 1-3, DeepSpeed's bf16 optimizer)."""
+    engine = record.engine
+    return bool(engine.zero_optimization() or hasattr(engine.optimizer, "dp_process_group"))
+
+
+def load_state(run: RunContext, records: Sequence[EngineRecord], directory: str, manifest: Mapping[str, Any]) -> None:
+    """Load every engine's checkpoint from its tag (collective)."""
+    saved_world = int(manifest.get("world_size", run.cluster.world_size))
+    world = run.cluster.world_size
+    strategy = manifest.get("strategy")
+    for record in records:
+        path = os.path.join(directory, record.tag)
+        if not os.path.isdir(path):
+            raise DeepSpeedCheckpointError(
+                f"deepspeed: {directory} holds no DeepSpeed engine state for {_describe(record)} (no {record.tag}/); it "
+                f"was saved with strategy {strategy!r}" + (" and fewer models" if strategy == "deepspeed" else "")
+                + ". Load it with the strategy and models it was saved with")
+        if saved_world != world and _partitioned(record):
+            raise DeepSpeedCheckpointError(
+                f"deepspeed: {directory} was saved by {saved_world} processes and this run has {world}: the optimizer "
+                f"state of {_describe(record)} is partitioned per rank (ZeRO stage {record.engine.zero_optimization_stage()}"
+                f"), so it loads only at {saved_world} processes. To change the world size, convert it with DeepSpeed's "
+                f"universal checkpoint: `python -m deepspeed.checkpoint.ds_to_universal --input_folder {path} "
+                f"--output_folder {path}_universal`, then load that with `\"checkpoint\": {{\"load_universal\": true}}` "
+                "in the DeepSpeed config through engine.load_checkpoint")
+        engine = record.engine
+        try:
+            load_path, _ = engine.load_checkpoint(directory, tag=record.tag, load_module_strict=True,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+        except Exception as exc:
+            raise DeepSpeedCheckpointError(f"deepspeed: loading {_describe(record)} from {path} failed: "
+                                           f"{type(exc).__name__}: {exc}") from exc
+        if load_path is None:  # DeepSpeed only logs this and carries on with the current weights
+            raise DeepSpeedCheckpointError(f"deepspeed: DeepSpeed loaded nothing for {_describe(record)} from {path} "
+                                           "(its model states file is missing or unreadable)")
+
+
+def full_state_dict(run: RunContext, record: EngineRecord) -> dict[str, Any]:
+    """The model's full state dict, on the main process: under ZeRO-3 every parameter is gathered
+    from the ranks' partitions, layer by layer (collective; the other ranks get ``{}``), with the
+    values the model computes with (bf16/fp16 when the engine trains in them). Other stages hold
+    whole parameters on every rank."""
+    engine = record.engine
+    if engine.zero_optimization_partition_weights():
+        state = engine._zero3_consolidated_16bit_state_dict()
+        return dict(state) if state is not None else {}
+    return engine.module.state_dict()
+
+
+__all__ = ["MODEL_TAG", "DeepSpeedCheckpointError", "full_state_dict", "load_state", "save_state", "tag_for"]
