@@ -151,19 +151,26 @@ def task_accumulate(ctx: Any, strategy: str, options: Mapping[str, Any], micro_s
 
 
 def task_clip(ctx: Any, strategy: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``clip_grad_norm_`` returns the global norm before clipping, and the step that follows
+    applies the clipped gradients. "after" is measured from the update (plain SGD: the change of
+    the parameters divided by the learning rate), so it holds whether the core clips the
+    gradients in place or the strategy clips inside its own step (DeepSpeed)."""
     import torch
 
     from torchrig import Accelerator
 
+    lr = 0.1
     with rank_environment(ctx.rank, ctx.world_size):
         accelerator = Accelerator(cpu=True, strategy=strategy, **options)
         model = _tiny_model()
-        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=lr))
+        before = torch.tensor(_flat_params(accelerator.unwrap_model(model)), dtype=torch.float64)
         x, y = _batch(accelerator.process_index)
         accelerator.backward(torch.nn.functional.cross_entropy(model(x), y) * 1000)
         norm = accelerator.clip_grad_norm_(model.parameters(), 0.5)
-        after = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in model.parameters() if p.grad is not None))
-        return {"norm": float(norm), "after": float(after)}
+        optimizer.step()
+        updated = torch.tensor(_flat_params(accelerator.unwrap_model(model)), dtype=torch.float64)
+        return {"norm": float(norm), "after": float((updated - before).norm() / lr)}
 
 
 def task_save_load(ctx: Any, strategy: str, options: Mapping[str, Any], directory: str) -> bool:
@@ -186,7 +193,11 @@ def task_save_load(ctx: Any, strategy: str, options: Mapping[str, Any], director
         with torch.no_grad():
             for p in accelerator.unwrap_model(model).parameters():
                 p.add_(1.0)
+        # One more real training step (strategies that own the step need gradients to step).
+        x, y = _batch(accelerator.process_index, seed=1)
+        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
         optimizer.step()
+        optimizer.zero_grad()
         accelerator.load_state(directory)
         restored = optimizer.state_dict()["state"][0]
         return saved == _flat_params(accelerator.unwrap_model(model)) and all(
