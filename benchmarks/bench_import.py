@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from _report import emit  # noqa: E402 - benchmarks/ is the script directory, on sys.path
+
 COMMANDS = {
     "import torch": [sys.executable, "-c", "import torch"],
     "import torchrig": [sys.executable, "-c", "import torchrig"],
@@ -47,6 +49,8 @@ def main() -> int:
     print(f"torchrig --help imports torch: {imports_torch}")
     ok = ratio <= 1.05 and not imports_torch
     print(f"B4 import torchrig ÷ import torch = {ratio:.3f} (budget ≤ 1.05): {'PASS' if ok else 'FAIL'}")
+    emit("B4", "import torchrig ÷ import torch; --help without torch",
+         f"{ratio:.3f}; torch imported by --help: {imports_torch}", "≤ 1.05; no torch", ok)
     return 0 if ok else 1
 
 

@@ -4,7 +4,8 @@ Pinned model: MLP 32→64→64→10, batch 64, AdamW, one thread. Both loops run
 identical copies of the model and data; blocks of steps are interleaved (plain, torchrig,
 plain-again) so machine noise hits all alike. Reported: median µs/step of each, the median
 added time per step with a bootstrap 95% confidence interval, and the A/A noise floor (plain
-against plain-again). Budget: median added ≤ 25 µs.
+against plain-again). Budget: median added ≤ 25 µs. Hugging Face Accelerate and Lightning Fabric
+run the same loop in the same rounds when installed (`pip install 'torchrig[bench]'`).
 
     python benchmarks/bench_step_overhead.py [--rounds 60] [--steps 50]
 """
@@ -20,6 +21,8 @@ import time
 
 import torch
 from torch import nn
+
+from _report import emit  # noqa: E402 - benchmarks/ is the script directory, on sys.path
 
 BUDGET_US = 25.0
 
@@ -71,6 +74,54 @@ def torchrig_step_fn(accelerator, model, optimizer, batches, use_accumulate: boo
     return run
 
 
+def accelerate_step_fn(batches):
+    """Hugging Face Accelerate's loop on its own copy of the model, or None if not installed."""
+    try:
+        from accelerate import Accelerator as HFAccelerator
+    except ImportError:
+        return None
+    model = make_model()
+    accelerator = HFAccelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    loss_fn = nn.functional.cross_entropy
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            x, y = batches[i % len(batches)]
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+        return (time.perf_counter() - start) / n
+
+    return run
+
+
+def fabric_step_fn(batches):
+    """Lightning Fabric's loop on its own copy of the model, or None if not installed."""
+    try:
+        from lightning.fabric import Fabric
+    except ImportError:
+        return None
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = make_model()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    loss_fn = nn.functional.cross_entropy
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            x, y = batches[i % len(batches)]
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            fabric.backward(loss)
+            optimizer.step()
+        return (time.perf_counter() - start) / n
+
+    return run
+
+
 def bootstrap_ci(values: list[float], rounds: int = 2000) -> tuple[float, float]:
     rng = random.Random(0)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
@@ -99,6 +150,12 @@ def main() -> int:
     rig_acc = torchrig_step_fn(accelerator, rig_model, rig_optimizer, batches, use_accumulate=True)
 
     runners = {"plain": plain, "plain-again": again, "torchrig": rig, "torchrig+accumulate": rig_acc}
+    for name, make in (("accelerate", accelerate_step_fn), ("fabric", fabric_step_fn)):
+        peer = make(batches)  # measured beside torchrig when installed (`pip install 'torchrig[bench]'`)
+        if peer is not None:
+            runners[name] = peer
+        else:
+            print(f"({name} not installed: its row is skipped)")
     for run in runners.values():  # warm up
         run(args.steps)
     samples: dict[str, list[float]] = {name: [] for name in runners}
@@ -123,6 +180,9 @@ def main() -> int:
     print(f"A/A noise floor (plain-again − plain): {results['plain-again']:+.1f} µs")
     print(f"B1 torchrig added {results['torchrig']:+.1f} µs/step (budget ≤ {BUDGET_US:.0f}; noise floor {noise:.1f}): "
           f"{'PASS' if ok else 'FAIL'}")
+    peers = {name: f"{results[name]:+.1f} µs" for name in ("accelerate", "fabric") if name in results}
+    emit("B1", "added µs/step vs plain PyTorch (tiny MLP, 1 thread); A/A noise beside it",
+         f"{results['torchrig']:+.1f} µs (A/A {results['plain-again']:+.1f})", f"≤ {BUDGET_US:.0f} µs", ok, peers)
     return 0 if ok else 1
 
 

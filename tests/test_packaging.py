@@ -46,7 +46,8 @@ def test_versions_move_in_lockstep():
 def test_core_extras_and_default_ddp():
     core = load(REPO / "core/pyproject.toml")["project"]
     extras = core["optional-dependencies"]
-    assert {"fsdp", "deepspeed", "tensorboard", "wandb", "mlflow", "trackers", "all"} <= set(extras)
+    assert {"fsdp", "deepspeed", "tensorboard", "wandb", "mlflow", "trackers", "all", "bench"} <= set(extras)
+    assert not any(dep.startswith("torch") for dep in extras["bench"]), "the bench extra must not pull another torch"
     assert any(dep.startswith("torchrig-ddp") for dep in core["dependencies"]), "`pip install torchrig` must give DDP"
     deepspeed = load(REPO / "plugins/deepspeed/pyproject.toml")["project"]
     assert any(dep.startswith("deepspeed") for dep in deepspeed["dependencies"])

@@ -1,0 +1,25 @@
+"""The benchmark harness itself keeps working (measurements live in benchmarks/, not here)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_gpu_benchmark_code_path_runs_on_the_cpu_and_skips_cleanly_without_a_gpu():
+    smoke = subprocess.run([sys.executable, str(BENCH / "bench_gpu.py"), "--cpu-smoke"], capture_output=True,
+                           text=True, timeout=300, env=ENV)
+    assert smoke.returncode == 0, smoke.stderr
+    assert "hand-written" in smoke.stdout and "torchrig" in smoke.stdout and "MFU = tokens/s" in smoke.stdout
+    table = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--quick", "--only", "B7"], capture_output=True,
+                           text=True, timeout=300, env=ENV)
+    assert table.returncode == 0, table.stdout + table.stderr
+    row = next(line for line in table.stdout.splitlines() if line.startswith("B7 "))
+    import torch
+
+    assert ("skipped" in row) != torch.cuda.is_available(), row
