@@ -599,3 +599,64 @@ def test_mpirun_command_rejects_bad_arguments(kwargs):
     arguments = dict(nproc=4, command=WORKER, master_addr="n1", master_port=29500) | kwargs
     with pytest.raises(ValueError):
         mpirun_command(arguments.pop("nproc"), arguments.pop("command"), **arguments)
+
+
+# -- the cluster contract (torchrig.testing.contracts.ClusterContract) -------------------------
+
+from torchrig.testing.contracts import ClusterContract  # noqa: E402
+
+
+class TestTorchElasticContract(ClusterContract):
+    cluster = "torchelastic"
+    priority = 50
+    environments = [
+        (TORCHRUN_IN_SLURM_WORKER6, {"rank": 6, "local_rank": 2, "world_size": 8, "local_world_size": 4,
+                                     "node_rank": 1, "num_nodes": 2, "master_addr": "gpu07", "master_port": 29500}),
+        (TORCHRUN_IN_SALLOC_WORKER3, {"rank": 3, "world_size": 4, "master_addr": "127.0.0.1"}),
+        (LEFTOVERS, {"rank": 3, "world_size": 8}),
+        (SHELL, None),
+        (SLURM_SBATCH_SRUN_TASK5, None),
+    ]
+    malformed = [(LEFTOVERS | {"RANK": "three"}, "RANK='three'")]
+
+
+class TestSlurmContract(ClusterContract):
+    cluster = "slurm"
+    priority = 40
+    environments = [
+        (SLURM_SBATCH_SRUN_TASK5, {"rank": 5, "local_rank": 1, "world_size": 8, "local_world_size": 4, "node_rank": 1,
+                                   "num_nodes": 2, "master_addr": "gpu07", "master_port": 12117}),
+        (SRUN_PMI2_TASK3, {"rank": 3, "world_size": 4, "master_addr": "cn001"}),
+        (SLURM_BATCH_SCRIPT, None),
+        (SLURM_SALLOC_SHELL, None),
+        (SLURM_SRUN_PTY_BASH, None),
+        (TORCHRUN_IN_SLURM_WORKER6, None),
+        (OPENMPI_IN_SLURM_RANK3, None),
+    ]
+    malformed = [(SLURM_SBATCH_SRUN_TASK5 | {"SLURM_PROCID": "five"}, "SLURM_PROCID='five'"),
+                 ({k: v for k, v in SLURM_SBATCH_SRUN_TASK5.items() if k != "SLURM_LOCALID"}, "SLURM_LOCALID")]
+
+
+class TestMPIContract(ClusterContract):
+    cluster = "mpi"
+    priority = 30
+    environments = [
+        (OPENMPI_2X2_RANK2, {"rank": 2, "local_rank": 0, "world_size": 4, "local_world_size": 2, "node_rank": 1,
+                             "num_nodes": 2, "master_addr": "n1", "master_port": 29500}),
+        (OPENMPI_IN_SLURM_RANK3, {"rank": 3, "world_size": 4, "local_rank": 1}),
+        (INTEL_MPI_RANK6, {"rank": 6, "world_size": 8, "master_addr": "node-a", "master_port": 29400}),
+        (SHELL, None),
+    ]
+    malformed = [(OPENMPI_2X2_RANK2 | {"OMPI_COMM_WORLD_RANK": "4"}, "OMPI_COMM_WORLD_RANK=4"),
+                 ({k: v for k, v in OPENMPI_2X2_RANK3.items() if k not in ("MASTER_ADDR", "MASTER_PORT")},
+                  "MASTER_ADDR")]
+
+
+class TestLocalContract(ClusterContract):
+    """``local`` answers everywhere (one process); auto-detection picks it only where no real
+    environment is recognised."""
+
+    cluster = "local"
+    priority = -100
+    environments = [(SHELL, {"rank": 0, "world_size": 1, "master_addr": None}), ({}, {"world_size": 1}),
+                    (LEFTOVERS, {"rank": 0, "world_size": 1}), (SLURM_SBATCH_SRUN_TASK5, {"world_size": 1})]

@@ -17,6 +17,7 @@ class TestSingleStrategy(StrategyContract):
 class TestDDPStrategy(StrategyContract):
     strategy = "ddp"
     world_size = 2
+    invalid_configs = [({"ddp_config": {"comm_hook": "fp16", "comm_wrapper": "fp16"}}, "ddp_config.comm_wrapper")]
 
 
 class TestDDPStrategyBF16(StrategyContract):
@@ -33,6 +34,7 @@ class TestFSDPStrategy(StrategyContract):
 
     strategy = "fsdp"
     world_size = 2
+    invalid_configs = [({"use_cpu": True, "fsdp_config": {"cpu_offload": True}}, "fsdp_config.cpu_offload")]
 
 
 class TestFSDPStrategyBF16(StrategyContract):
@@ -56,6 +58,7 @@ class TestDeepSpeedStrategyZeRO2(StrategyContract):
     strategy = "deepspeed"
     world_size = 2
     options = _deepspeed(zero_stage=2)
+    invalid_configs = [({"use_cpu": True, "mixed_precision": "fp16"}, "DeepSpeed's fp16 needs a CUDA GPU")]
 
 
 class TestDeepSpeedStrategyZeRO0(StrategyContract):

@@ -614,3 +614,60 @@ def test_torchrig_launch_two_processes_one_run_per_tracker_and_drops_in_run_stat
     run_status = json.loads((logs / "run_status.json").read_text())
     assert run_status["state"] == "finished"
     assert any(w.startswith("tracker 'always_fails' finished: delivered 0 events, dropped") for w in run_status["warnings"])
+
+
+# --------------------------------------------------------------------------------------------
+# the tracker contract (torchrig.testing.contracts.TrackerContract), read back by each library
+
+from torchrig.testing.contracts import TrackerContract  # noqa: E402
+
+
+class TestCSVContract(TrackerContract):
+    tracker = "csv"
+
+    def read_back(self, logging_dir, project):
+        with open(logging_dir / project / "metrics.csv", newline="") as handle:
+            return [(int(row["step"]), float(row["value"])) for row in csv.DictReader(handle) if row["name"] == "loss"]
+
+
+class TestJSONLContract(TrackerContract):
+    tracker = "jsonl"
+
+    def read_back(self, logging_dir, project):
+        return [(e["step"], e["values"]["loss"]) for e in read_jsonl(logging_dir / project / "metrics.jsonl")
+                if e["event"] == "log"]
+
+
+class TestTensorBoardContract(TrackerContract):
+    tracker = "tensorboard"
+
+    def read_back(self, logging_dir, project):
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(logging_dir / project), size_guidance={"scalars": 0})
+        events.Reload()
+        return [(e.step, e.value) for e in events.Scalars("loss")]
+
+
+class TestMLflowContract(TrackerContract):
+    tracker = "mlflow"
+
+    def read_back(self, logging_dir, project):
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri="sqlite:///" + str(logging_dir / "mlflow.db"))
+        (run,) = client.search_runs([client.get_experiment_by_name(project).experiment_id])
+        return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
+
+
+class TestWandBContract(TrackerContract):
+    """Offline: the run is read back from W&B's own run file."""
+
+    tracker = "wandb"
+    environment = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": "{tmp}/wandb-config",
+                   "WANDB_CACHE_DIR": "{tmp}/wandb-cache", "WANDB_DATA_DIR": "{tmp}/wandb-data"}
+
+    def read_back(self, logging_dir, project):
+        (run_dir,) = glob.glob(str(logging_dir / "wandb" / "offline-run-*"))
+        _, history = read_wandb_run(run_dir)
+        return [(step, items["loss"]) for step, items in history if "loss" in items]

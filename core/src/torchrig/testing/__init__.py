@@ -1,15 +1,33 @@
-"""torchrig's test kit, for torchrig itself and for plugin authors.
+"""torchrig's test kit, for torchrig itself and for plugin authors. A stable, documented API.
 
-* :class:`FakeDistribution`, :func:`plugin_distribution`, :class:`FakeModules` — discovery
-  tests without installing anything;
-* :class:`HookRecorder` — record hook calls and assert their order;
-* :class:`WorkerPool` — live ranks already joined in a gloo process group, that tests send
+Everything a plugin distribution needs to prove itself without installing anything else
+(docs/plugins.md, "Testing a plugin"):
+
+* plugin hosts and fake distributions — :func:`make_host` (a fresh plugin manager over the
+  installed distributions plus fakes), :class:`FakeDistribution`, :func:`plugin_distribution`,
+  :class:`FakeModules`: discovery tests without installing anything;
+* :class:`HookRecorder` / :class:`HookCall` — record the hook calls a host makes and assert their
+  order;
+* :func:`tiny_run` / :class:`TinyRun` — a tiny in-process training run through the real
+  ``Accelerator``;
+* contract suites to subclass — :class:`StrategyContract`, :class:`PrecisionContract`,
+  :class:`DeviceContract`, :class:`ClusterContract`, :class:`TrackerContract`
+  (:mod:`torchrig.testing.contracts`); :func:`rank_environment` sets a rank's variables for a
+  task;
+* :class:`WorkerPool` (with :class:`WorkerContext`, :class:`WorkerError`, :class:`WorkerDied`,
+  :class:`PoolTimeout`) — live ranks already joined in a gloo process group, that tests send
   functions to (a launch costs seconds; a pooled task milliseconds), with hard timeouts;
-* :class:`ProcessGuard` — assert that a test leaves no process behind.
+* :class:`ProcessGuard`, :func:`leftover_processes`, :func:`spawn_in_new_session` — assert that a
+  test leaves no process behind.
 
-The pytest plugin (:mod:`torchrig.testing.pytest_plugin`) is opt-in: ``-p
-torchrig.testing.pytest_plugin`` or ``pytest_plugins = ["torchrig.testing.pytest_plugin"]``.
-Names are imported lazily so that using the fakes never imports torch.
+The pytest plugin (:mod:`torchrig.testing.pytest_plugin`: fixtures ``gloo_pool``,
+``process_guard``, ``fake_modules``; markers ``multiprocess``, ``gpu``, ``slow``) is opt-in: ``-p
+torchrig.testing.pytest_plugin`` or ``addopts`` in the plugin's ``pyproject.toml``. Names are
+imported lazily so that using the fakes never imports torch.
+
+Stability: the names in ``__all__`` and the documented attributes of the contract classes follow
+the hook-API version (:data:`torchrig.HOOK_API_VERSION`); everything else in these modules is
+internal.
 """
 
 from __future__ import annotations
@@ -30,8 +48,16 @@ _LAZY = {
     "PoolTimeout": "torchrig.testing.pool",
     "ProcessGuard": "torchrig.testing.processes",
     "leftover_processes": "torchrig.testing.processes",
+    "spawn_in_new_session": "torchrig.testing.processes",
     "make_host": "torchrig.testing.hosts",
+    "TinyRun": "torchrig.testing.runs",
+    "tiny_run": "torchrig.testing.runs",
+    "rank_environment": "torchrig.testing.contracts",
     "StrategyContract": "torchrig.testing.contracts",
+    "PrecisionContract": "torchrig.testing.contracts",
+    "DeviceContract": "torchrig.testing.contracts",
+    "ClusterContract": "torchrig.testing.contracts",
+    "TrackerContract": "torchrig.testing.contracts",
 }
 
 __all__ = sorted(_LAZY)
@@ -42,3 +68,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'torchrig.testing' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -16,6 +16,8 @@ from torchrig.plugin_manager import PluginHost
 
 @attrs.frozen
 class HookCall:
+    """One recorded hook call: its name, keyword arguments, the plugins asked and the result."""
+
     name: str
     kwargs: dict[str, Any]
     #: Names of the plugins whose implementations pluggy was about to call, in call order.

@@ -1,4 +1,4 @@
-"""Contract suites: the behaviour every plugin of a kind must show, as tests to inherit.
+"""The strategy contract: what every strategy plugin must do, as tests to inherit.
 
 A strategy author subclasses :class:`StrategyContract` in their own test module::
 
@@ -7,83 +7,34 @@ A strategy author subclasses :class:`StrategyContract` in their own test module:
     class TestMyStrategy(StrategyContract):
         strategy = "mystrategy"
         world_size = 2
+        invalid_configs = [({"mystrategy_config": {"buckets": 0}}, "mystrategy_config.buckets")]
 
 and pytest runs the inherited tests against that strategy: through the real ``Accelerator``, on
-the shared 2-rank gloo worker pool (``gloo_pool`` fixture of ``torchrig.testing.pytest_plugin``)
-or in-process for ``world_size = 1``. Each rank runs the task functions below (module-level, so
-they can be sent to pool workers).
+the shared 2-rank gloo worker pool (``gloo_pool`` fixture of ``torchrig.testing.pytest_plugin``,
+every call with a hard timeout) or in-process for ``world_size = 1``. Each rank runs the task
+functions below (module-level, so they can be sent to pool workers).
+
+What is checked: ``prepare`` returns working objects (model, optimizer, dataloader, scheduler);
+one step updates the parameters identically on every rank; training equals one process on the
+concatenated batch; accumulation steps only at the boundary, after which the ranks agree;
+``clip_grad_norm_`` returns the norm before clipping and the update is clipped; ``save_state`` →
+``load_state`` round-trips parameters and optimizer state; configuration validation accepts the
+strategy's defaults and rejects what it cannot do, naming the key.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
-from collections.abc import Iterator, Mapping
+import pathlib
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import pytest
 
-def _elastic_environ(rank: int, world_size: int) -> dict[str, str]:
-    """The variables torch elastic sets for rank ``rank`` of ``world_size``. The pool's process
-    group already exists, so the Accelerator's default process-group setup reuses it and the
-    rendezvous address is never contacted."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-
-
-@contextlib.contextmanager
-def rank_environment(rank: int, world_size: int) -> Iterator[None]:
-    """Set elastic's variables (and an empty TORCHRIG config home) for one task, then restore.
-
-    Pool workers run many tasks in one interpreter: Accelerators of earlier tasks live in
-    reference cycles until collected, and a live one of another strategy would refuse this
-    task's (one strategy per process group), so they are collected first."""
-    import gc
-
-    gc.collect()
-    saved = dict(os.environ)
-    for key in [k for k in os.environ if k.startswith("TORCHRIG_")]:
-        del os.environ[key]
-    home = tempfile.mkdtemp(prefix="torchrig-contract-home-")
-    os.environ["TORCHRIG_CONFIG_HOME"] = home
-    if world_size > 1:
-        os.environ.update(_elastic_environ(rank, world_size))
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-class _Ctx:
-    """The minimal task context for in-process (world size 1) runs."""
-
-    rank, world_size = 0, 1
-
-
-def _tiny_model() -> Any:
-    import torch
-
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
-
-
-def _batch(rank: int, size: int = 8, seed: int = 0) -> tuple[Any, Any]:
-    import torch
-
-    generator = torch.Generator().manual_seed(1000 * seed + rank)
-    return torch.randn(size, 6, generator=generator), torch.randint(0, 3, (size,), generator=generator)
-
-
-def _flat_params(model: Any) -> list[float]:
-    """Every parameter as a list of floats; sharded parameters (DTensors) are gathered first."""
-    import torch
-
-    def full(p: Any) -> Any:
-        return p.full_tensor() if hasattr(p, "full_tensor") else p
-
-    return torch.cat([full(p.detach()).reshape(-1).cpu() for p in model.parameters()]).tolist()
+from torchrig.testing.contracts._common import SingleProcess as _Ctx
+from torchrig.testing.contracts._common import flat_params as _flat_params
+from torchrig.testing.contracts._common import rank_environment
+from torchrig.testing.contracts._common import tiny_batch as _batch
+from torchrig.testing.contracts._common import tiny_model as _tiny_model
 
 
 def task_step(ctx: Any, strategy: str, options: Mapping[str, Any], steps: int) -> dict[str, Any]:
@@ -204,6 +155,58 @@ def task_save_load(ctx: Any, strategy: str, options: Mapping[str, Any], director
             torch.equal(saved_state[k], restored[k]) for k in saved_state)
 
 
+def task_prepare(ctx: Any, strategy: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``prepare(model, optimizer, dataloader, scheduler)``: the model still computes, is the
+    user's module behind ``unwrap_model``; batches arrive on the device and the ranks together see
+    every sample once per epoch; the scheduler steps once per optimizer step."""
+    import torch
+
+    from torchrig import Accelerator
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy=strategy, **options)
+        model = _tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        data = torch.utils.data.TensorDataset(torch.arange(32, dtype=torch.float32).repeat(6, 1).T,
+                                              torch.arange(32) % 3)
+        loader = torch.utils.data.DataLoader(data, batch_size=4)
+        p_model, p_optimizer, p_loader, p_scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        seen, devices = [], set()
+        for x, y in p_loader:
+            devices.add(x.device.type)
+            seen.extend(int(v) for v in x[:, 0].tolist())
+        x, y = _batch(accelerator.process_index)
+        x, y = x.to(accelerator.device), y.to(accelerator.device)
+        out = p_model(x)
+        accelerator.backward(torch.nn.functional.cross_entropy(out, y))
+        lr_before = p_optimizer.param_groups[0]["lr"]
+        p_optimizer.step()
+        p_scheduler.step()
+        p_optimizer.zero_grad()
+        everyone = accelerator.gather_for_metrics(torch.tensor(seen, device=accelerator.device))
+        return {"shape": tuple(out.shape), "unwrapped": accelerator.unwrap_model(p_model) is model,
+                "device": accelerator.device.type, "batch_devices": sorted(devices),
+                "samples": sorted(int(v) for v in everyone.reshape(-1).tolist()),
+                "lr": (lr_before, p_optimizer.param_groups[0]["lr"])}
+
+
+def validate_config(strategy: str, config: Mapping[str, Any], directory: pathlib.Path) -> str | None:
+    """Resolve a config file selecting ``strategy`` with ``config`` merged in, as ``torchrig config
+    validate`` and the launcher do; the error text, or None when it is valid."""
+    import yaml
+
+    from torchrig import ConfigError, PluginHost, resolve_config
+
+    path = directory / f"contract-{strategy}.yaml"
+    path.write_text(yaml.safe_dump({"strategy": strategy, **config}))
+    try:
+        resolve_config(PluginHost(), config_file=str(path), default_file=False, warn=False)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 class StrategyContract:
     """Behaviour every strategy plugin must show. Subclass and set ``strategy``."""
 
@@ -215,6 +218,14 @@ class StrategyContract:
     options: ClassVar[dict[str, Any]] = {}
     #: Tolerance of "data parallelism equals one process on the concatenated batch".
     atol: ClassVar[float] = 1e-5
+    #: False for strategies that never all-reduce gradients (local SGD averages parameters
+    #: instead): ``clip_grad_norm_`` then reports each rank's own norm, which may differ.
+    synchronizes_gradients: ClassVar[bool] = True
+    #: Configurations the strategy cannot run, each with text its error must contain (the key
+    #: it names): ``[({"ddp_config": {"comm_hook": "bf16"}}, "ddp_config.comm_hook")]``. Merged
+    #: into a config file that selects the strategy; validation must fail before any process
+    #: starts. Empty: that test is skipped, saying so.
+    invalid_configs: ClassVar[Sequence[tuple[Mapping[str, Any], str]]] = ()
 
     @pytest.fixture
     def on_ranks(self, request: pytest.FixtureRequest) -> Any:
@@ -226,6 +237,15 @@ class StrategyContract:
         if pool.world_size != self.world_size:
             pytest.skip(f"the shared pool has {pool.world_size} ranks, this contract needs {self.world_size}")
         return lambda fn, *args, **kwargs: pool.run(fn, *args, timeout=120, **kwargs)
+
+    def test_prepare_returns_working_objects(self, on_ranks: Any) -> None:
+        results = on_ranks(task_prepare, self.strategy, self.options)
+        for result in results:
+            assert result["shape"] == (8, 3), "the prepared model must still compute the user's forward"
+            assert result["unwrapped"], "unwrap_model(prepared model) must return the user's own module"
+            assert result["batch_devices"] == [result["device"]], "batches must arrive on the run's device"
+            assert result["samples"] == list(range(32)), "the ranks together must see every sample exactly once"
+            assert result["lr"] == (0.1, 0.05), "the scheduler must step once per optimizer step"
 
     def test_prepare_and_one_step_update_parameters_identically_on_all_ranks(self, on_ranks: Any) -> None:
         results = on_ranks(task_step, self.strategy, self.options, 1)
@@ -250,11 +270,28 @@ class StrategyContract:
         results = on_ranks(task_clip, self.strategy, self.options)
         assert all(r["norm"] > 0.5 for r in results)
         assert all(r["after"] <= 0.5 + 1e-4 for r in results)
-        assert all(abs(r["norm"] - results[0]["norm"]) < 1e-4 * results[0]["norm"] for r in results)
+        if self.synchronizes_gradients:
+            assert all(abs(r["norm"] - results[0]["norm"]) < 1e-4 * results[0]["norm"] for r in results), (
+                "ranks must report the same (global) gradient norm")
 
     def test_strategy_state_save_load_round_trips(self, on_ranks: Any, tmp_path: Any) -> None:
         assert all(on_ranks(task_save_load, self.strategy, self.options, str(tmp_path / "state")))
 
+    def test_config_selecting_the_strategy_validates(self, tmp_path: pathlib.Path) -> None:
+        if not self.strategy:
+            pytest.skip("StrategyContract is abstract: set `strategy` in the subclass")
+        assert validate_config(self.strategy, {}, tmp_path) is None
 
-__all__ = ["StrategyContract", "rank_environment", "task_accumulate", "task_clip", "task_reference", "task_save_load",
-           "task_step"]
+    def test_config_validation_rejects_what_it_cannot_do(self, tmp_path: pathlib.Path) -> None:
+        if not self.strategy:
+            pytest.skip("StrategyContract is abstract: set `strategy` in the subclass")
+        if not self.invalid_configs:
+            pytest.skip(f"{type(self).__name__} declares no configuration its strategy refuses (invalid_configs)")
+        for config, expected in self.invalid_configs:
+            error = validate_config(self.strategy, config, tmp_path)
+            assert error is not None, f"strategy {self.strategy!r} accepted a configuration it cannot run: {config}"
+            assert expected in error, f"the error must name {expected!r}: {error}"
+
+
+__all__ = ["StrategyContract", "rank_environment", "task_accumulate", "task_clip", "task_prepare", "task_reference",
+           "task_save_load", "task_step", "validate_config"]
