@@ -52,8 +52,19 @@ def accelerate_rows() -> list[str]:
     return rows
 
 
+#: The reference documents torchrig's own distributions; other installed plugins (the example
+#: plugin in examples/localsgd, a user's) document their sections themselves.
+FIRST_PARTY = ("torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers")
+
+
+def first_party_host() -> PluginHost:
+    others = [info.key for info in PluginHost(register_defaults=False).plugins()
+              if all(record.distribution not in FIRST_PARTY for record in info.records)]
+    return PluginHost(disabled=others)
+
+
 def main() -> int:
-    schema = Schema(PluginHost())
+    schema = Schema(first_party_host())
     for title, rows in (("Sections", section_rows(schema)), ("Keys", key_rows(schema)),
                         ("Accelerate's keys", accelerate_rows())):
         print(f"### {title}\n")
