@@ -1,4 +1,4 @@
-"""``torchrig`` console script: subcommands ``plugins``, ``env``, ``config`` and ``launch``, plus the
+"""``torchrig`` console script: subcommands ``plugins``, ``env``, ``config``, ``launch`` and ``new-plugin``, plus the
 commands installed distributions contribute through the ``torchrig.commands`` entry-point group
 (:mod:`torchrig.cli.commands`; e.g. ``merge-weights`` from torchrig-fsdp).
 
@@ -17,7 +17,7 @@ from torchrig.errors import TorchrigError
 
 EXIT_USAGE = 2
 #: Names a contributed command (``torchrig.commands`` entry point) cannot take.
-BUILTIN_COMMANDS = ("plugins", "config", "launch", "env")
+BUILTIN_COMMANDS = ("plugins", "config", "launch", "env", "new-plugin")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(handler=_run_env)
 
+    new = sub.add_parser("new-plugin", help="render a new plugin distribution (package, entry points, manifest, "
+                                            "one hook, contract test) to start from",
+                         description="Render a working torchrig plugin distribution into DIR "
+                                     "(default ./torchrig-NAME): pip install -e DIR, then torchrig plugins lists it.")
+    new.add_argument("name", metavar="NAME", help="the plugin's user-facing name (lower case, digits, underscores)")
+    new.add_argument("kind", metavar="KIND", help="strategy, precision, device, tracker or cluster")
+    new.add_argument("--dir", dest="directory", metavar="DIR", help="where to write it (must not exist, or be empty)")
+    new.set_defaults(handler=_run_new_plugin)
+
     from torchrig.cli.commands import add_commands, discover_commands
 
     add_commands(sub, discover_commands(reserved=BUILTIN_COMMANDS))
@@ -62,6 +71,12 @@ def _run_env(args: argparse.Namespace) -> int:
     from torchrig.cli.env import run_env
 
     return run_env(as_json=args.json)
+
+
+def _run_new_plugin(args: argparse.Namespace) -> int:
+    from torchrig.cli.new_plugin import run_new_plugin
+
+    return run_new_plugin(args.name, args.kind, args.directory)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
