@@ -63,6 +63,18 @@ def test_every_hook_is_documented(name):
 def test_every_hook_appears_in_the_architecture_and_plugin_docs(name):
     text = (REPO / "docs" / "architecture.md").read_text()
     assert name in text, f"docs/architecture.md must map {name}"
+    guide = (REPO / "docs" / "plugins.md").read_text()
+    signature = str(inspect.signature(getattr(hookspecs, name))).replace("'", "")
+    heading = f"#### `{name}{signature}`"
+    assert heading in guide, f"docs/plugins.md must document {name} under the heading {heading}"
+    section = guide.split(heading, 1)[1].split("\n#### ", 1)[0]
+    opts = getattr(getattr(hookspecs, name), f"{PROJECT_NAME}_spec")
+    kind = "firstresult" if opts["firstresult"] else "historic" if opts["historic"] else "collecting"
+    assert kind in section.lower(), f"docs/plugins.md must give {name}'s kind ({kind})"
+    assert "```python" in section and "@hookimpl" in section or "cli_flags" in section, (
+        f"docs/plugins.md must show an example implementation of {name}")
+    assert name in guide.split("## Call order", 1)[1].split("## The hooks", 1)[0], (
+        f"docs/plugins.md's call order must place {name}")
 
 
 def test_every_firstresult_hook_has_exactly_one_trylast_core_default():
