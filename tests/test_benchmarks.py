@@ -23,3 +23,10 @@ def test_gpu_benchmark_code_path_runs_on_the_cpu_and_skips_cleanly_without_a_gpu
     import torch
 
     assert ("skipped" in row) != torch.cuda.is_available(), row
+
+
+def test_sharded_gpu_benchmark_code_path_runs_on_two_cpu_ranks():
+    smoke = subprocess.run([sys.executable, str(BENCH / "bench_gpu_sharded.py"), "--cpu-smoke", "--strategies", "fsdp"],
+                           capture_output=True, text=True, timeout=600, env=ENV)
+    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    assert "fsdp: 2 rank(s); torchrig" in smoke.stdout and "B8 CPU smoke run finished" in smoke.stdout

@@ -1,0 +1,185 @@
+"""B8 (GPU): a ~1B-parameter GPT with the fsdp and deepspeed plugins ÷ hand-written equivalents.
+
+On every visible GPU (one rank each, nccl, torchrig's worker pool), each rank trains two copies
+of the same model on the same tokens in interleaved blocks: a hand-written one (FSDP2
+``fully_shard`` per block and at the root with a bf16 ``MixedPrecisionPolicy``; or
+``deepspeed.initialize`` with ZeRO-3 and bf16) and a torchrig one (``Accelerator(strategy=...)``
+with the same settings). Reported per strategy: tokens/s of both (median of blocks), the ratio
+(worst rank), and MFU = tokens/s per GPU × (6·N + 12·L·d·T) / peak (989 TFLOP/s dense bf16 for an
+H100 SXM; ``--peak-tflops``). Goals: ratio ≥ 0.98, MFU ≥ 40%.
+
+Without a CUDA GPU the rows are reported as skipped. ``--cpu-smoke`` runs a tiny configuration
+on 2 CPU ranks over gloo to check the script itself (not a measurement).
+
+    python benchmarks/bench_gpu_sharded.py [--strategies fsdp,deepspeed] [--rounds 6] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from _report import emit  # noqa: E402 - benchmarks/ is the script directory, on sys.path
+from bench_gpu import GPT, Block, flops_per_token  # noqa: E402
+
+RATIO_GOAL, MFU_GOAL = 0.98, 0.40
+ONE_BILLION = {"layers": 24, "heads": 16, "d": 2048, "vocab": 50304, "seq": 1024}
+TINY = {"layers": 2, "heads": 2, "d": 64, "vocab": 256, "seq": 32}
+
+
+def _hand_fsdp(model: torch.nn.Module, device: torch.device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = model.to(device)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _ds_config(batch: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False}
+
+
+def _hand_deepspeed(model: torch.nn.Module, device: torch.device, batch: int):
+    import deepspeed
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_ds_config(batch))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+    return step
+
+
+def _torchrig(strategy: str, model: torch.nn.Module, device: torch.device, batch: int):
+    from torchrig import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    options = {"fsdp_plugin": FullyShardedDataParallelPlugin(auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                                             transformer_layer_cls_to_wrap=[Block.__name__])} \
+        if strategy == "fsdp" else {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=_ds_config(batch))}
+    accelerator = Accelerator(mixed_precision="bf16", cpu=device.type == "cpu", **options)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        accelerator.backward(model(x, y))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def task(ctx, strategy: str, config: dict, batch: int, rounds: int, steps: int, use_cuda: bool) -> dict:
+    from torchrig.testing.contracts import rank_environment
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        os.environ.setdefault("LOCAL_RANK", str(ctx.rank))
+        device = torch.device("cuda", ctx.rank) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
+        torch.manual_seed(0)
+        base = GPT(**config)
+        seq, vocab = base.shape[2], base.tok.num_embeddings
+        generator = torch.Generator().manual_seed(ctx.rank)
+        tokens = [(torch.randint(0, vocab, (batch, seq), generator=generator).to(device),
+                   torch.randint(0, vocab, (batch, seq), generator=generator).to(device)) for _ in range(2)]
+        hand = _hand_fsdp(copy.deepcopy(base), device) if strategy == "fsdp" else \
+            _hand_deepspeed(copy.deepcopy(base), device, batch)
+        rig = _torchrig(strategy, copy.deepcopy(base), device, batch)
+        flops = flops_per_token(base)
+        del base
+
+        def block(step_fn) -> float:
+            if use_cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for i in range(steps):
+                step_fn(*tokens[i % len(tokens)])
+            if use_cuda:
+                torch.cuda.synchronize()
+            return batch * seq * steps / (time.perf_counter() - start)
+
+        block(hand), block(rig)  # warm up
+        hand_rates, rig_rates = [], []
+        for index in range(rounds):
+            order = [(hand, hand_rates), (rig, rig_rates)]
+            for step_fn, rates in (order if index % 2 == 0 else order[::-1]):
+                rates.append(block(step_fn))
+        result = {"hand": statistics.median(hand_rates), "rig": statistics.median(rig_rates),
+                  "ratio": statistics.median(r / h for r, h in zip(rig_rates, hand_rates)), "flops": flops}
+        del hand, rig
+        gc.collect()
+        if use_cuda:
+            torch.cuda.empty_cache()
+        return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategies", default="fsdp,deepspeed")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 2 steps")
+    args = parser.parse_args()
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    use_cuda = torch.cuda.is_available() and not args.cpu_smoke
+    if not use_cuda and not args.cpu_smoke:
+        print("B8 skipped: no CUDA GPU on this machine")
+        for strategy in strategies:
+            emit("B8", f"~1B GPT, {strategy} plugin ÷ hand-written tokens/s; MFU", "—",
+                 f"≥ {RATIO_GOAL}, MFU ≥ {MFU_GOAL:.0%}", None)
+        return 0
+    config, batch = (TINY, 2) if args.cpu_smoke else (ONE_BILLION, args.batch)
+    if args.cpu_smoke or args.quick:
+        args.rounds, args.steps = 2, 2
+    world = torch.cuda.device_count() if use_cuda else 2
+    from torchrig.testing.pool import WorkerPool
+
+    env = {"DS_ACCELERATOR": "cpu"} if not use_cuda else {}
+    all_ok = True
+    with WorkerPool(world_size=world, backend="nccl" if use_cuda else "gloo", env=env, collective_timeout=600) as pool:
+        for strategy in strategies:
+            results = pool.run(task, strategy, config, batch, args.rounds, args.steps, use_cuda, timeout=3600)
+            ratio = min(r["ratio"] for r in results)
+            rate = statistics.median(r["rig"] for r in results)
+            mfu = rate * results[0]["flops"] / (args.peak_tflops * 1e12)
+            print(f"{strategy}: {world} rank(s); torchrig {rate:,.0f} tokens/s per rank, hand-written "
+                  f"{statistics.median(r['hand'] for r in results):,.0f}; ratio (worst rank) {ratio:.3f}; "
+                  f"MFU = {rate:,.0f} × {results[0]['flops']:.3e} / {args.peak_tflops:.0f}e12 = {mfu:.1%}")
+            if args.cpu_smoke:
+                continue
+            ok = ratio >= RATIO_GOAL and mfu >= MFU_GOAL
+            all_ok = all_ok and ok
+            emit("B8", f"~1B GPT, {strategy} plugin ÷ hand-written tokens/s ({world} GPU); MFU",
+                 f"{ratio:.3f}, MFU {mfu:.0%}", f"≥ {RATIO_GOAL}, MFU ≥ {MFU_GOAL:.0%}", ok)
+    if args.cpu_smoke:
+        print("B8 CPU smoke run finished (not a measurement)")
+        return 0
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
