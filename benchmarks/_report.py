@@ -1,7 +1,7 @@
 """One result row per benchmark, for ``run_all.py``'s table.
 
 Each benchmark prints its own detailed report and, at the end, calls :func:`emit` with a
-summary; when ``TORCHRIG_BENCH_RESULTS`` names a file (``run_all.py`` sets it), the row is
+summary; when ``BENCH_RESULTS_FILE`` names a file (``run_all.py`` sets it), the row is
 appended there as one JSON line. Run alone, a benchmark just prints.
 """
 
@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-RESULTS_ENV = "TORCHRIG_BENCH_RESULTS"
+RESULTS_ENV = "BENCH_RESULTS_FILE"  # not TORCHRIG_*: those are configuration, checked strictly
 
 
 def emit(bench_id: str, what: str, value: str, goal: str, ok: bool | None, peers: dict[str, str] | None = None) -> None:

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from _report import RESULTS_ENV
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 #: (ids, script, full arguments, quick arguments)
@@ -45,7 +47,7 @@ def main() -> int:
 
     fd, results = tempfile.mkstemp(prefix="torchrig-bench-", suffix=".jsonl")
     os.close(fd)
-    env = {**os.environ, "TORCHRIG_BENCH_RESULTS": results, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, RESULTS_ENV: results, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     failed_to_run = []
     started = time.time()
     for ids, script, full, quick in BENCHMARKS:
@@ -53,8 +55,9 @@ def main() -> int:
             continue
         print(f"\n=== {'/'.join(ids)}: {script}", flush=True)
         code = subprocess.call([sys.executable, str(HERE / script), *(quick if args.quick else full)], env=env, cwd=HERE.parent)
-        if code not in (0, 1):  # 1 is "ran, missed a goal"; anything else means it did not finish
-            failed_to_run.append(f"{script} (exit {code})")
+        reported = {json.loads(line)["id"] for line in pathlib.Path(results).read_text().splitlines() if line.strip()}
+        if not set(ids) <= reported:  # a crash: no row (exit 1 alone means "ran, missed a goal")
+            failed_to_run.append(f"{script} (exit {code}, no result for {', '.join(sorted(set(ids) - reported))})")
     rows = [json.loads(line) for line in pathlib.Path(results).read_text().splitlines() if line.strip()]
     os.unlink(results)
 
