@@ -74,15 +74,8 @@ def torchrig_step_fn(accelerator, model, optimizer, batches, use_accumulate: boo
     return run
 
 
-def accelerate_step_fn(batches):
-    """Hugging Face Accelerate's loop on its own copy of the model, or None if not installed."""
-    try:
-        from accelerate import Accelerator as HFAccelerator
-    except ImportError:
-        return None
-    model = make_model()
-    accelerator = HFAccelerator(cpu=True)
-    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+def peer_step_fn(model, optimizer, backward, batches):
+    """The plain loop with a framework's ``backward`` (Accelerate's, Fabric's)."""
     loss_fn = nn.functional.cross_entropy
 
     def run(n: int) -> float:
@@ -91,11 +84,23 @@ def accelerate_step_fn(batches):
             x, y = batches[i % len(batches)]
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
-            accelerator.backward(loss)
+            backward(loss)
             optimizer.step()
         return (time.perf_counter() - start) / n
 
     return run
+
+
+def accelerate_step_fn(batches):
+    """Hugging Face Accelerate's loop on its own copy of the model, or None if not installed."""
+    try:
+        from accelerate import Accelerator as HFAccelerator
+    except ImportError:
+        return None
+    accelerator = HFAccelerator(cpu=True)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return peer_step_fn(model, optimizer, accelerator.backward, batches)
 
 
 def fabric_step_fn(batches):
@@ -107,19 +112,7 @@ def fabric_step_fn(batches):
     fabric = Fabric(accelerator="cpu", devices=1)
     model = make_model()
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    loss_fn = nn.functional.cross_entropy
-
-    def run(n: int) -> float:
-        start = time.perf_counter()
-        for i in range(n):
-            x, y = batches[i % len(batches)]
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            fabric.backward(loss)
-            optimizer.step()
-        return (time.perf_counter() - start) / n
-
-    return run
+    return peer_step_fn(model, optimizer, fabric.backward, batches)
 
 
 def bootstrap_ci(values: list[float], rounds: int = 2000) -> tuple[float, float]:
