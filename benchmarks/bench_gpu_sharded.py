@@ -49,7 +49,7 @@ def _hand_fsdp(model: torch.nn.Module, device: torch.device):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step
+    return step, model, optimizer
 
 
 def _ds_config(batch: int) -> dict:
@@ -69,7 +69,7 @@ def _hand_deepspeed(model: torch.nn.Module, device: torch.device, batch: int):
         engine.backward(loss)
         engine.step()
 
-    return step
+    return step, engine, optimizer
 
 
 def _torchrig(strategy: str, model: torch.nn.Module, device: torch.device, batch: int):
@@ -86,7 +86,25 @@ def _torchrig(strategy: str, model: torch.nn.Module, device: torch.device, batch
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step
+    return step, model, optimizer
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return tensor.numel() * tensor.element_size()
+
+
+def local_state_bytes(model: torch.nn.Module, optimizer: object) -> int:
+    """Bytes of parameters and optimizer state this rank holds between steps (shards count
+    locally; gradients are set to None after each step, on both sides of the comparison)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return sum(_local_bytes(p) for p in model.parameters()) + sum(
+        _local_bytes(v) for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+def replicated_state_bytes(model: torch.nn.Module) -> int:
+    """What DDP holds on every rank between steps: fp32 parameters and AdamW's two moments."""
+    return sum(p.numel() for p in model.parameters()) * 4 * 3
 
 
 def task(ctx, strategy: str, config: dict, batch: int, rounds: int, steps: int, use_cuda: bool) -> dict:
@@ -103,10 +121,11 @@ def task(ctx, strategy: str, config: dict, batch: int, rounds: int, steps: int, 
         generator = torch.Generator().manual_seed(ctx.rank)
         tokens = [(torch.randint(0, vocab, (batch, seq), generator=generator).to(device),
                    torch.randint(0, vocab, (batch, seq), generator=generator).to(device)) for _ in range(2)]
-        hand = _hand_fsdp(copy.deepcopy(base), device) if strategy == "fsdp" else \
+        hand, *_ = _hand_fsdp(copy.deepcopy(base), device) if strategy == "fsdp" else \
             _hand_deepspeed(copy.deepcopy(base), device, batch)
-        rig = _torchrig(strategy, copy.deepcopy(base), device, batch)
+        rig, rig_model, rig_optimizer = _torchrig(strategy, copy.deepcopy(base), device, batch)
         flops = flops_per_token(base)
+        replicated = replicated_state_bytes(base)
         del base
 
         def block(step_fn) -> float:
@@ -126,8 +145,10 @@ def task(ctx, strategy: str, config: dict, batch: int, rounds: int, steps: int, 
             for step_fn, rates in (order if index % 2 == 0 else order[::-1]):
                 rates.append(block(step_fn))
         result = {"hand": statistics.median(hand_rates), "rig": statistics.median(rig_rates),
-                  "ratio": statistics.median(r / h for r, h in zip(rig_rates, hand_rates)), "flops": flops}
-        del hand, rig
+                  "ratio": statistics.median(r / h for r, h in zip(rig_rates, hand_rates)), "flops": flops,
+                  "replicated_bytes": replicated,
+                  "local_bytes": local_state_bytes(rig_model, rig_optimizer) if strategy == "fsdp" else None}
+        del hand, rig, rig_model, rig_optimizer
         gc.collect()
         if use_cuda:
             torch.cuda.empty_cache()
