@@ -76,9 +76,10 @@ def free_port(host: str = "") -> int:
 
 class SingleNodeRendezvous(RendezvousHandler):
     """One machine: no peer to wait for, so no c10d rendezvous round (whose join path sleeps a
-    random fraction of a second). The agent keeps a TCPStore of its own on a free loopback port;
-    every attempt gets a fresh prefix of it and a fresh master port for the workers, who host
-    their own store there (``use_agent_store`` is false), so a restart starts clean."""
+    random fraction of a second). Every attempt gets a new TCPStore, hosted by the agent on a
+    fresh loopback port before any worker starts: the workers connect to a store that is already
+    listening (no connect retries, as with torchrun), and a restart never meets the keys of the
+    attempt before it (the reason torchrig does not share one store across attempts)."""
 
     def __init__(self, run_id: str, first_port: int = 0, timeout_s: float = 900.0) -> None:
         self.run_id = run_id
@@ -91,19 +92,19 @@ class SingleNodeRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         from torch.distributed import PrefixStore, TCPStore
 
-        if self._store is None:
-            self._store = TCPStore("127.0.0.1", 0, 1, True, self.timeout, multi_tenant=True)
         self._attempt += 1
-        store = PrefixStore(f"{self.run_id}/{self._attempt}", self._store)
-        port = self.first_port if self._attempt == 1 and self.first_port else free_port("127.0.0.1")
-        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo("127.0.0.1", port))
+        port = self.first_port if self._attempt == 1 else 0
+        self._store = TCPStore("127.0.0.1", port, None, True, self.timeout, wait_for_workers=False,
+                               multi_tenant=True)
+        store = PrefixStore(self.run_id, self._store)
+        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo("127.0.0.1", int(self._store.port)))
 
     def get_backend(self) -> str:
         return "torchrig-single-node"
 
     @property
     def use_agent_store(self) -> bool:
-        return False
+        return True  # the workers' process group uses this attempt's store (they connect as clients)
 
     def is_closed(self) -> bool:
         return self._closed
