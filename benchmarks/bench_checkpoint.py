@@ -28,11 +28,9 @@ import tempfile
 import time
 
 import torch
+from _report import emit
 from safetensors.torch import load_file, save_file
-
 from torchrig import Accelerator
-
-from _report import emit  # noqa: E402 - benchmarks/ is the script directory, on sys.path
 
 SAVE_GOAL = 0.9
 ASYNC_GOAL = 0.25

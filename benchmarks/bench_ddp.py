@@ -21,8 +21,7 @@ import sys
 import time
 
 import torch
-
-from _report import emit  # noqa: E402 - benchmarks/ is the script directory, on sys.path
+from _report import emit
 
 
 def _model() -> torch.nn.Module:
@@ -35,7 +34,6 @@ def _model() -> torch.nn.Module:
 
 def b2(ctx, rounds: int, steps: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
-
     from torchrig import Accelerator
     from torchrig.testing.contracts import rank_environment
 
@@ -82,7 +80,6 @@ def b2(ctx, rounds: int, steps: int) -> dict:
 
 def b3(ctx, micro_steps: int, cycles: int) -> list[int]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     from torchrig import Accelerator
     from torchrig.testing.contracts import rank_environment
 

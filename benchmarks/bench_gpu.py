@@ -23,9 +23,8 @@ import sys
 import time
 
 import torch
+from _report import emit
 from torch import nn
-
-from _report import emit  # noqa: E402 - benchmarks/ is the script directory, on sys.path
 
 RATIO_GOAL, TOKENS_GOAL = 0.99, 420_000
 
@@ -62,6 +61,23 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.head(self.ln(x))
         return nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def tokens_per_second(step_fn, tokens: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> float:
+    """Train ``steps`` steps cycling through ``tokens``; tokens/s between device synchronisations."""
+    cuda = tokens[0][0].is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(steps):
+        step_fn(*tokens[i % len(tokens)])
+    if cuda:
+        torch.cuda.synchronize()
+    return tokens[0][0].numel() * steps / (time.perf_counter() - start)
+
+
+#: The configuration of ``--cpu-smoke`` runs (a few thousand parameters).
+TINY = {"layers": 2, "heads": 2, "d": 64, "vocab": 256, "seq": 32}
 
 
 def flops_per_token(model: GPT) -> float:
@@ -113,8 +129,7 @@ def main() -> int:
     args = parser.parse_args()
     what = "GPT-2-124M bf16 + compile tokens/s ÷ hand-written (1 GPU); MFU"
     if args.cpu_smoke:
-        device, config, batch, compile_model = torch.device("cpu"), {"layers": 2, "heads": 2, "d": 64, "vocab": 256,
-                                                                    "seq": 32}, 2, False
+        device, config, batch, compile_model = torch.device("cpu"), TINY, 2, False
         args.blocks, args.steps = 1, 2
     elif not torch.cuda.is_available():
         print("B7 skipped: no CUDA GPU on this machine")
@@ -135,14 +150,7 @@ def main() -> int:
                "torchrig": with_torchrig(copy.deepcopy(base), device, compile_model)}
 
     def block(step_fn) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for i in range(args.steps):
-            step_fn(*tokens[i % len(tokens)])
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return batch * seq * args.steps / (time.perf_counter() - start)
+        return tokens_per_second(step_fn, tokens, args.steps)
 
     for step_fn in runners.values():  # compile and warm up
         block(step_fn)

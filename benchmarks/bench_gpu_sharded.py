@@ -22,16 +22,13 @@ import gc
 import os
 import statistics
 import sys
-import time
 
 import torch
-
-from _report import emit  # noqa: E402 - benchmarks/ is the script directory, on sys.path
-from bench_gpu import GPT, Block, flops_per_token  # noqa: E402
+from _report import emit
+from bench_gpu import GPT, TINY, Block, flops_per_token, tokens_per_second
 
 RATIO_GOAL, MFU_GOAL = 0.98, 0.40
 ONE_BILLION = {"layers": 24, "heads": 16, "d": 2048, "vocab": 50304, "seq": 1024}
-TINY = {"layers": 2, "heads": 2, "d": 64, "vocab": 256, "seq": 32}
 
 
 def _hand_fsdp(model: torch.nn.Module, device: torch.device):
@@ -129,14 +126,7 @@ def task(ctx, strategy: str, config: dict, batch: int, rounds: int, steps: int, 
         del base
 
         def block(step_fn) -> float:
-            if use_cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for i in range(steps):
-                step_fn(*tokens[i % len(tokens)])
-            if use_cuda:
-                torch.cuda.synchronize()
-            return batch * seq * steps / (time.perf_counter() - start)
+            return tokens_per_second(step_fn, tokens, steps)
 
         block(hand), block(rig)  # warm up
         hand_rates, rig_rates = [], []

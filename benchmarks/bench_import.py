@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from _report import emit  # noqa: E402 - benchmarks/ is the script directory, on sys.path
+from _report import emit
 
 COMMANDS = {
     "import torch": [sys.executable, "-c", "import torch"],

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from _report import emit  # noqa: E402 - benchmarks/ is the script directory, on sys.path
+from _report import emit
 
 SCRIPT = """
 import os, sys, time, pathlib

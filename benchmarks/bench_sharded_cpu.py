@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _report import emit  # noqa: E402 - benchmarks/ is the script directory, on sys.path
-from bench_gpu_sharded import task  # noqa: E402
+from _report import emit
+from bench_gpu_sharded import task
 
 GOAL = 0.98
 CONFIG = {"layers": 4, "heads": 4, "d": 256, "vocab": 2048, "seq": 128}

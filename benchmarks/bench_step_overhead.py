@@ -20,9 +20,8 @@ import sys
 import time
 
 import torch
+from _report import emit
 from torch import nn
-
-from _report import emit  # noqa: E402 - benchmarks/ is the script directory, on sys.path
 
 BUDGET_US = 25.0
 
@@ -48,34 +47,8 @@ def plain_step_fn(model, optimizer, batches):
     return run
 
 
-def torchrig_step_fn(accelerator, model, optimizer, batches, use_accumulate: bool):
-    loss_fn = nn.functional.cross_entropy
-    backward = accelerator.backward
-
-    def run(n: int) -> float:
-        start = time.perf_counter()
-        if use_accumulate:
-            for i in range(n):
-                x, y = batches[i % len(batches)]
-                with accelerator.accumulate(model):
-                    optimizer.zero_grad(set_to_none=True)
-                    loss = loss_fn(model(x), y)
-                    backward(loss)
-                    optimizer.step()
-        else:
-            for i in range(n):
-                x, y = batches[i % len(batches)]
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x), y)
-                backward(loss)
-                optimizer.step()
-        return (time.perf_counter() - start) / n
-
-    return run
-
-
-def peer_step_fn(model, optimizer, backward, batches):
-    """The plain loop with a framework's ``backward`` (Accelerate's, Fabric's)."""
+def framework_step_fn(model, optimizer, backward, batches):
+    """The plain loop with a framework's ``backward`` (torchrig's, Accelerate's, Fabric's)."""
     loss_fn = nn.functional.cross_entropy
 
     def run(n: int) -> float:
@@ -91,6 +64,25 @@ def peer_step_fn(model, optimizer, backward, batches):
     return run
 
 
+def accumulate_step_fn(accelerator, model, optimizer, batches):
+    """torchrig's loop inside ``accelerator.accumulate(model)``."""
+    loss_fn = nn.functional.cross_entropy
+    backward = accelerator.backward
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            x, y = batches[i % len(batches)]
+            with accelerator.accumulate(model):
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x), y)
+                backward(loss)
+                optimizer.step()
+        return (time.perf_counter() - start) / n
+
+    return run
+
+
 def accelerate_step_fn(batches):
     """Hugging Face Accelerate's loop on its own copy of the model, or None if not installed."""
     try:
@@ -100,7 +92,7 @@ def accelerate_step_fn(batches):
     accelerator = HFAccelerator(cpu=True)
     model = make_model()
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    return peer_step_fn(model, optimizer, accelerator.backward, batches)
+    return framework_step_fn(model, optimizer, accelerator.backward, batches)
 
 
 def fabric_step_fn(batches):
@@ -112,7 +104,7 @@ def fabric_step_fn(batches):
     fabric = Fabric(accelerator="cpu", devices=1)
     model = make_model()
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    return peer_step_fn(model, optimizer, fabric.backward, batches)
+    return framework_step_fn(model, optimizer, fabric.backward, batches)
 
 
 def bootstrap_ci(values: list[float], rounds: int = 2000) -> tuple[float, float]:
@@ -139,8 +131,8 @@ def main() -> int:
     again = plain_step_fn(aa_model, torch.optim.AdamW(aa_model.parameters(), lr=1e-3), batches)
     accelerator = Accelerator(cpu=True)
     rig_model, rig_optimizer = accelerator.prepare(rig_model, torch.optim.AdamW(rig_model.parameters(), lr=1e-3))
-    rig = torchrig_step_fn(accelerator, rig_model, rig_optimizer, batches, use_accumulate=False)
-    rig_acc = torchrig_step_fn(accelerator, rig_model, rig_optimizer, batches, use_accumulate=True)
+    rig = framework_step_fn(rig_model, rig_optimizer, accelerator.backward, batches)
+    rig_acc = accumulate_step_fn(accelerator, rig_model, rig_optimizer, batches)
 
     runners = {"plain": plain, "plain-again": again, "torchrig": rig, "torchrig+accumulate": rig_acc}
     for name, make in (("accelerate", accelerate_step_fn), ("fabric", fabric_step_fn)):

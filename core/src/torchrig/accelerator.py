@@ -765,8 +765,8 @@ class Accelerator:
 
         parse_size(max_shard_size)  # a bad size fails on every rank, before any gathering
         state = self.get_state_dict(model)
-        writes = self.is_main_process or (self.config["project_config.save_on_each_node"] and self.is_local_main_process)
-        written = save_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization) if writes else []
+        written = save_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization) \
+            if self._writes_files else []
         self.wait_for_everyone()
         return written
 
@@ -774,8 +774,14 @@ class Accelerator:
         """Write ``obj`` once per job (once per node with ``save_on_each_node``), atomically."""
         from torchrig.checkpoint.export import save_object
 
-        if self.is_main_process or (self.config["project_config.save_on_each_node"] and self.is_local_main_process):
+        if self._writes_files:
             save_object(obj, os.fspath(f), safe_serialization)
+
+    @property
+    def _writes_files(self) -> bool:
+        """Whether this process writes ``save``/``save_model`` files: the main process, or each
+        node's local main process with ``save_on_each_node``."""
+        return self.is_main_process or (self.config["project_config.save_on_each_node"] and self.is_local_main_process)
 
 
 class _AccumulateContext:

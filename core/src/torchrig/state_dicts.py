@@ -19,23 +19,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchrig.checkpoint.layout import numbered
+
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.checkpoint.files import CheckpointWriter
     from torchrig.run import RunContext
     from torchrig.types import PreparedModel
 
-_ALIASES_KEY = "torchrig_aliases"
-
-
-def _numbered(stem: str, index: int, suffix: str) -> str:
-    return f"{stem}{'' if index == 0 else f'_{index}'}{suffix}"
+#: safetensors metadata key of ``{alias: kept name}`` for tensors written once (tied weights).
+ALIASES_KEY = "torchrig_aliases"
 
 
 def _optimizer_names(model_index: int, prepared: Sequence[PreparedModel]) -> list[str]:
     """File stems (``optimizer``, ``optimizer_1``...): ``.safetensors``, or ``.bin`` for states
     that hold more than tensors and JSON values."""
     first = sum(len(item.optimizers) for item in prepared[:model_index])
-    return [_numbered("optimizer", first + j, "") for j in range(len(prepared[model_index].optimizers))]
+    return [numbered("optimizer", first + j, "") for j in range(len(prepared[model_index].optimizers))]
 
 
 def split_aliases(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -109,7 +108,7 @@ def save_structured(writer: CheckpointWriter, state: Any, stem: str, fault_phase
     kept, aliases = split_aliases(tensors)
     metadata = {_STRUCTURE_KEY: json.dumps(skeleton)}
     if aliases:
-        metadata[_ALIASES_KEY] = json.dumps(aliases)
+        metadata[ALIASES_KEY] = json.dumps(aliases)
     return writer.save_tensors(kept, f"{stem}.safetensors", metadata=metadata, fault_phase=fault_phase)
 
 
@@ -119,7 +118,7 @@ def read_safetensors(path: str, location: Any = "cpu") -> tuple[dict[str, torch.
     with safe_open(path, framework="pt", device=str(location)) as handle:
         state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
         metadata = handle.metadata() or {}
-    for alias, name in json.loads(metadata.get(_ALIASES_KEY, "{}")).items():
+    for alias, name in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
         state[alias] = state[name]
     return state, metadata
 
@@ -145,10 +144,10 @@ def save_plain_state(run: RunContext, prepared: Sequence[PreparedModel], writer:
         state = item.unwrapped.state_dict()
         if writer.safe_serialization and _all_tensors(state):
             tensors, aliases = split_aliases(state)
-            written.append(writer.save_tensors(tensors, _numbered("model", index, ".safetensors"),
-                                               metadata={_ALIASES_KEY: json.dumps(aliases)} if aliases else None))
+            written.append(writer.save_tensors(tensors, numbered("model", index, ".safetensors"),
+                                               metadata={ALIASES_KEY: json.dumps(aliases)} if aliases else None))
         else:
-            written.append(writer.save_torch(state, _numbered("pytorch_model", index, ".bin")))
+            written.append(writer.save_torch(state, numbered("pytorch_model", index, ".bin")))
         for optimizer, stem in zip(item.optimizers, _optimizer_names(index, prepared)):
             written.append(save_structured(writer, optimizer.state_dict(), stem, fault_phase="mid_optimizer"))
     return written
@@ -156,10 +155,10 @@ def save_plain_state(run: RunContext, prepared: Sequence[PreparedModel], writer:
 
 def read_model_file(directory: str, index: int, location: Any = "cpu") -> dict[str, Any]:
     """The state dict of model ``index`` in a checkpoint, from whichever format it was saved in."""
-    safe = os.path.join(directory, _numbered("model", index, ".safetensors"))
+    safe = os.path.join(directory, numbered("model", index, ".safetensors"))
     if os.path.exists(safe):
         return read_safetensors(safe, location)[0]
-    return torch.load(os.path.join(directory, _numbered("pytorch_model", index, ".bin")), map_location=location,
+    return torch.load(os.path.join(directory, numbered("pytorch_model", index, ".bin")), map_location=location,
                       weights_only=True)
 
 
@@ -173,4 +172,4 @@ def load_plain_state(run: RunContext, prepared: Sequence[PreparedModel], directo
             optimizer.load_state_dict(load_structured(directory, stem, location))
 
 
-__all__ = ["load_plain_state", "load_structured", "read_model_file", "save_plain_state", "save_structured", "split_aliases"]
+__all__ = ["ALIASES_KEY", "load_plain_state", "load_structured", "read_model_file", "save_plain_state", "save_structured", "split_aliases"]

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrig.checkpoint.files import CheckpointError, describe_os_error, fsync_path
-from torchrig.state_dicts import split_aliases
+from torchrig.state_dicts import ALIASES_KEY, split_aliases
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}
@@ -87,7 +87,7 @@ def save_weights(state: Mapping[str, Any], directory: str, max_shard_size: int |
                                                 for i in range(len(shards))]
     metadata = {"format": "pt"}
     if aliases:
-        metadata["torchrig_aliases"] = json.dumps(aliases)
+        metadata[ALIASES_KEY] = json.dumps(aliases)
     for name, part in zip(names, shards):
         path = os.path.join(directory, name)
         if safe_serialization:
@@ -134,7 +134,7 @@ def save_object(obj: Any, path: str, safe_serialization: bool = False) -> None:
         if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
             raise TypeError("save(..., safe_serialization=True) needs a mapping of names to tensors")
         tensors, aliases = split_aliases({k: v.detach().to("cpu").contiguous() for k, v in obj.items()})
-        metadata = {"format": "pt", **({"torchrig_aliases": json.dumps(aliases)} if aliases else {})}
+        metadata = {"format": "pt", **({ALIASES_KEY: json.dumps(aliases)} if aliases else {})}
         _write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     else:
         _write_atomic(path, lambda tmp: torch.save(obj, tmp))

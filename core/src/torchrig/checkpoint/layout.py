@@ -32,6 +32,11 @@ AUTOMATIC_PREFIX = "checkpoint_"
 _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|deleting|replaced)-(?P<token>[0-9a-f]+)$")
 
 
+def numbered(stem: str, index: int, suffix: str) -> str:
+    """Accelerate's per-object file names: ``optimizer.bin``, ``optimizer_1.bin``..."""
+    return f"{stem}{'' if index == 0 else f'_{index}'}{suffix}"
+
+
 def temporary_sibling(target: str, kind: str = "tmp", token: str | None = None) -> str:
     parent, name = os.path.split(os.path.abspath(target))
     return os.path.join(parent, f".{name}.{kind}-{token or secrets.token_hex(6)}")
@@ -214,6 +219,6 @@ def delete_checkpoint(path: str) -> None:
 
 __all__ = [
     "AUTOMATIC_PREFIX", "FORMAT", "FORMAT_VERSION", "LATEST_NAME", "MANIFEST_NAME", "committed_checkpoints",
-    "delete_checkpoint", "exchange", "is_committed", "latest_checkpoint", "leftovers", "read_manifest",
+    "delete_checkpoint", "exchange", "is_committed", "latest_checkpoint", "leftovers", "numbered", "read_manifest",
     "remove_leftovers", "replace_directory", "temporary_sibling", "verify", "write_manifest", "write_text_atomic",
 ]

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 from torchrig.checkpoint import faults, layout
 from torchrig.checkpoint.files import CheckpointError, CheckpointWriter, FileRecord, fsync_path, hash_file
 from torchrig.checkpoint.state import (
-    capture_rng, describe_dataloader, diff, digest, fingerprint_config, reseed_rng, restore_rng,
+    FINGERPRINT_SECTIONS, capture_rng, describe_dataloader, diff, digest, fingerprint_config, reseed_rng,
+    restore_rng,
 )
 from torchrig.collectives import Collectives
 from torchrig.config.resolve import Schema
@@ -49,13 +50,6 @@ if TYPE_CHECKING:  # pragma: no cover
 #: Rank-0 phases that other ranks pass while they wait for the commit (see ``faults``).
 _COMMIT_PHASES = ("before_manifest", "before_rename", "before_latest", "before_rotation_delete")
 _PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
-#: Option sections of the core (kept in the fingerprint at any world size).
-_CORE_SECTIONS = ("dataloader_config", "gradient_accumulation_plugin", "autocast_kwargs", "grad_scaler_kwargs")
-
-
-def _numbered(stem: str, index: int, suffix: str) -> str:
-    """Accelerate's file names: ``optimizer.bin``, ``optimizer_1.bin``..."""
-    return f"{stem}{'' if index == 0 else f'_{index}'}{suffix}"
 
 
 def _describe(exc: BaseException) -> str:
@@ -227,10 +221,10 @@ class CheckpointManager:
         faults.point("mid_optimizer", rank)  # ranks that wrote no optimizer file pass it here
         if main:
             for index, scheduler in enumerate(accelerator._schedulers):
-                writer.save_torch(scheduler.state_dict(), _numbered("scheduler", index, ".bin"))
+                writer.save_torch(scheduler.state_dict(), layout.numbered("scheduler", index, ".bin"))
             for index, loader in enumerate(accelerator._dataloaders):
                 if hasattr(loader, "state_dict"):
-                    writer.save_torch(loader.state_dict(), _numbered("dl_state_dict", index, ".bin"))
+                    writer.save_torch(loader.state_dict(), layout.numbered("dl_state_dict", index, ".bin"))
             for name, obj in self._plugin_state().items():
                 writer.save_torch(obj.state_dict(), f"{name}.pt")
             for index, obj in enumerate(self.custom_objects):
@@ -498,7 +492,7 @@ class CheckpointManager:
             # (single <-> data parallel; the strategy's load hook refuses formats it cannot
             # read), its options, and the global batch size.
             for keys in (saved_config, config_keys):
-                for key in [k for k in keys if k == "strategy" or "." in k and k.split(".")[0] not in _CORE_SECTIONS]:
+                for key in [k for k in keys if k == "strategy" or "." in k and k.split(".")[0] not in FINGERPRINT_SECTIONS]:
                     del keys[key]
             saved_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in saved_order]
             data_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in data_order]
@@ -544,9 +538,9 @@ class CheckpointManager:
             return torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
 
         for index, scheduler in enumerate(accelerator._schedulers):
-            scheduler.load_state_dict(read(_numbered("scheduler", index, ".bin")))
+            scheduler.load_state_dict(read(layout.numbered("scheduler", index, ".bin")))
         for index, loader in enumerate(accelerator._dataloaders):
-            name = _numbered("dl_state_dict", index, ".bin")
+            name = layout.numbered("dl_state_dict", index, ".bin")
             if hasattr(loader, "load_state_dict") and os.path.exists(os.path.join(directory, name)):
                 loader.load_state_dict(read(name))
         for name, obj in self._plugin_state().items():

@@ -21,13 +21,18 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from torchrig.config.options import CORE_SECTIONS
+
 #: Configuration keys that say where and how a run executes or reports, not what it computes.
 NON_FINGERPRINT_KEYS = frozenset({
     "use_cpu", "device", "cluster", "num_processes", "num_machines", "machine_rank", "main_process_ip",
     "main_process_port", "rdzv_backend", "rdzv_endpoint", "gpu_ids", "log_with", "disable_plugins", "strict_config",
     "dataloader_config.non_blocking",
 })
-NON_FINGERPRINT_SECTIONS = ("project_config.", "init_process_group_kwargs.", "dynamo_config.")
+#: Core option sections of the same kind: outputs, process-group setup, compilation.
+NON_FINGERPRINT_SECTIONS = ("project_config", "init_process_group_kwargs", "dynamo_config")
+#: The core's other option sections: they define what training computes, at any world size.
+FINGERPRINT_SECTIONS = tuple(section.key for section in CORE_SECTIONS if section.key not in NON_FINGERPRINT_SECTIONS)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -95,18 +100,9 @@ def fingerprint_config(items: Iterable[tuple[str, Any]], strategy_sections: Iter
     ``strategy_sections`` are the option sections of the selected strategy; other strategies'
     sections do not matter to this run.
     """
-    sections = tuple(f"{name}." for name in strategy_sections)
-    result = {}
-    for key, value in items:
-        if key in NON_FINGERPRINT_KEYS or key.startswith(NON_FINGERPRINT_SECTIONS):
-            continue
-        if "." in key and not key.startswith(sections) and not key.startswith(_CORE_SECTIONS):
-            continue
-        result[key] = _plain(value)
-    return result
-
-
-_CORE_SECTIONS = ("dataloader_config.", "gradient_accumulation_plugin.", "autocast_kwargs.", "grad_scaler_kwargs.")
+    counted = {*strategy_sections, *FINGERPRINT_SECTIONS}
+    return {key: _plain(value) for key, value in items
+            if key not in NON_FINGERPRINT_KEYS and ("." not in key or key.split(".")[0] in counted)}
 
 
 def describe_dataloader(loader: Any) -> dict[str, Any]:
@@ -140,4 +136,5 @@ def diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-__all__ = ["capture_rng", "describe_dataloader", "diff", "digest", "fingerprint_config", "reseed_rng", "restore_rng"]
+__all__ = ["FINGERPRINT_SECTIONS", "NON_FINGERPRINT_KEYS", "NON_FINGERPRINT_SECTIONS", "capture_rng", "describe_dataloader",
+           "diff", "digest", "fingerprint_config", "reseed_rng", "restore_rng"]

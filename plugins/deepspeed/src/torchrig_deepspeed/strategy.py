@@ -33,6 +33,7 @@ from torchrig.gradient_state import GradientState, gradient_state_of
 from torchrig.logging import get_logger
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
+from torchrig.scheduler import OptimizerStepScheduler
 from torchrig.step_plan import StepPlanBuilder
 from torchrig.types import Capabilities, LaunchPlan, PreparedModel, StashKey
 from torchrig_deepspeed import checkpoint as ds_checkpoint
@@ -281,7 +282,7 @@ class DeepSpeedStrategy:
 # -- the scheduler ------------------------------------------------------------------------------------
 
 
-class EngineScheduler:
+class EngineScheduler(OptimizerStepScheduler):
     """The script's scheduler, stepped once per optimizer step the engine applied.
 
     The engine decides at its ``step()`` whether an update happens (accumulation boundary, no
@@ -290,9 +291,8 @@ class EngineScheduler:
     every call, as with the other strategies."""
 
     def __init__(self, scheduler: Any, record: EngineRecord, gradient_state: GradientState) -> None:
-        self.scheduler = scheduler
+        super().__init__(scheduler, [], gradient_state)
         self.record = record
-        self.gradient_state = gradient_state
         self._seen = record.applied_steps
 
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -304,20 +304,9 @@ class EngineScheduler:
             self._seen = self.record.applied_steps
             self.scheduler.step(*args, **kwargs)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
+        super().load_state_dict(state_dict)
         self._seen = self.record.applied_steps
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "scheduler":
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
 
 
 # -- step-plan helpers --------------------------------------------------------------------------------
