@@ -71,6 +71,9 @@ def test_exact_hook_order_of_a_tiny_run_and_no_hooks_per_step(monkeypatch):
         scheduler.step()
         optimizer.zero_grad()
     assert rec.calls == []  # the step path runs plain callables, never a hook
+    accelerator.end_training()
+    accelerator.end_training()
+    assert rec.names == ["torchrig_unconfigure"]  # the run ends once
 
 
 def hand_written(steps_data, lr=0.05):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -175,3 +178,30 @@ def test_step_plan_rejects_unknown_slots_and_non_callables():
         builder.set("backwards", lambda loss: None)
     with pytest.raises(TypeError, match="must be callable"):
         builder.set("backward", None)
+
+
+def test_a_run_still_alive_at_interpreter_exit_is_unconfigured_once(tmp_path):
+    """``torchrig_unconfigure``: at ``end_training``, else at exit — never twice, never skipped."""
+    marker = tmp_path / "unconfigured"
+    script = textwrap.dedent(f"""
+        import sys
+        from torchrig import hookimpl
+        from torchrig.runtime import end_run, start_run
+        from torchrig.testing import make_host
+
+        class Releases:
+            @hookimpl
+            def torchrig_unconfigure(self, run):
+                with open({str(marker)!r}, "a") as handle:
+                    handle.write(run.config["tag"] + "\\n")
+
+        runs = []
+        for tag in ("ended", "alive"):
+            host = make_host()
+            host.register(Releases(), "releases")
+            runs.append(start_run(host, {{"use_cpu": True, "tag": tag}}, environ={{}}))
+        end_run(runs[0])
+        end_run(runs[0])
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert marker.read_text().splitlines() == ["ended", "alive"]

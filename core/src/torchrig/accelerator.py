@@ -28,7 +28,7 @@ from torchrig.gradient_state import gradient_state_of
 from torchrig.optimizer import AcceleratedOptimizer
 from torchrig.plugin_manager import PluginHost
 from torchrig.run import RunContext
-from torchrig.runtime import build_step_plan, claim_world, detect_cluster, start_run
+from torchrig.runtime import build_step_plan, claim_world, detect_cluster, end_run, start_run
 from torchrig.step_plan import StepPlan
 from torchrig.tracking import TrackerHub
 from torchrig.types import PreparedModel
@@ -314,9 +314,11 @@ class Accelerator:
         """Finish every tracker (each waited for at most its ``wait_timeout``); returns this
         process's report ``{tracker: {state, delivered, dropped, errors, ...}}``, also recorded
         in the rank's status file. Call on every rank. Also waits for an asynchronous checkpoint
-        save to commit, and raises its failure."""
+        save to commit, and raises its failure. Then the run ends: plugins get
+        ``torchrig_unconfigure`` (once; at interpreter exit instead when this is never called)."""
         report = self._trackers.finish()
         self._checkpoints.wait()
+        end_run(self._run)
         return report
 
     # -- preparation ----------------------------------------------------------------------

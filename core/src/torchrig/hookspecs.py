@@ -139,9 +139,11 @@ def torchrig_configure(run: RunContext) -> None:
 
 @hookspec
 def torchrig_unconfigure(run: RunContext) -> None:
-    """The run ends (``end_training`` or interpreter exit): release what ``configure`` took.
+    """The run ends: release what ``configure`` took.
 
-    - phase: teardown. ranks: every worker. kind: collecting. default: none.
+    - phase: teardown — ``Accelerator.end_training()``, or interpreter exit for a run still
+      alive then (a run already garbage-collected gets no call). Once per run.
+    - ranks: every worker. kind: collecting. default: none.
     """
 
 

@@ -33,6 +33,8 @@ class RunContext:
     collectives: Collectives | None = None
     capabilities: Capabilities | None = None
     stash: Stash = attrs.field(factory=Stash)
+    #: True once ``torchrig_unconfigure`` was called for this run (it is called once).
+    ended: bool = False
 
     def option(self, key: str, default: Any = None) -> Any:
         """A configuration value by dotted key, or ``default``."""

@@ -6,7 +6,9 @@ only if the plugin host's registrations changed). Both ask hooks; neither runs p
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -65,7 +67,42 @@ def start_run(
     host.hook.torchrig_init_process_group(run=run)
     run.collectives = host.hook.torchrig_collectives(run=run)
     host.hook.torchrig_configure.call_historic(kwargs={"run": run})
+    _register_for_exit(run)
     return run
+
+
+#: Runs started and not yet ended, ended at interpreter exit. Weak: a run nobody holds any more
+#: is not kept alive (with its models and engines) just to be unconfigured later.
+_LIVE_RUNS: weakref.WeakSet[RunContext] = weakref.WeakSet()
+_EXIT_HANDLER_REGISTERED = False
+
+
+def _register_for_exit(run: RunContext) -> None:
+    global _EXIT_HANDLER_REGISTERED
+    _LIVE_RUNS.add(run)
+    if not _EXIT_HANDLER_REGISTERED:
+        atexit.register(_end_live_runs)
+        _EXIT_HANDLER_REGISTERED = True
+
+
+def end_run(run: RunContext) -> None:
+    """Call ``torchrig_unconfigure`` for ``run``, once: at ``end_training``, or at interpreter
+    exit for a run still alive then."""
+    if run.ended:
+        return
+    run.ended = True
+    _LIVE_RUNS.discard(run)
+    if run.plugins is not None:
+        run.plugins.hook.torchrig_unconfigure(run=run)
+
+
+def _end_live_runs() -> None:
+    for run in list(_LIVE_RUNS):
+        try:
+            end_run(run)
+        except Exception as exc:  # noqa: BLE001 -- at exit: report, and let the other runs end too
+            print(f"torchrig: torchrig_unconfigure failed at interpreter exit: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
 
 
 #: Live runs per process-wide world (the default process group, or the lone process): torch's
@@ -119,4 +156,4 @@ def build_step_plan(host: PluginHost, run: RunContext) -> StepPlan:
     return builder.build()
 
 
-__all__ = ["DEFAULT_PRECISION", "DEFAULT_STRATEGY", "build_step_plan", "claim_world", "detect_cluster", "negotiate_capabilities", "select_plugins", "start_run"]
+__all__ = ["DEFAULT_PRECISION", "DEFAULT_STRATEGY", "build_step_plan", "claim_world", "detect_cluster", "end_run", "negotiate_capabilities", "select_plugins", "start_run"]
