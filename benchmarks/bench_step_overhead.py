@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import random
 import statistics
 import sys
 import time
 
 import torch
 from _report import emit
+from _stats import bootstrap_ci
 from torch import nn
 
 BUDGET_US = 25.0
@@ -105,12 +105,6 @@ def fabric_step_fn(batches):
     model = make_model()
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     return framework_step_fn(model, optimizer, fabric.backward, batches)
-
-
-def bootstrap_ci(values: list[float], rounds: int = 2000) -> tuple[float, float]:
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
-    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds)]
 
 
 def main() -> int:
