@@ -188,6 +188,30 @@ def test_optimizer_built_before_prepare_updates_every_sharded_parameter(gloo_poo
         assert result["state_kinds"] == {"DTensor"}
 
 
+def _late_optimizer(ctx):
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = accelerator_for(strategy="fsdp")
+        model = make_model()
+        stale = torch.optim.Adam(model.parameters(), lr=1e-2)  # built over the parameters before sharding
+        model = accelerator.prepare(model)
+        try:
+            accelerator.prepare(stale)
+        except ValueError as exc:
+            refused = str(exc)
+        else:
+            refused = ""
+        fresh = accelerator.prepare(torch.optim.Adam(model.parameters(), lr=1e-2))  # the supported order
+        return refused, len(fresh.param_groups[0]["params"])
+
+
+def test_an_optimizer_over_replaced_parameters_prepared_later_is_refused(gloo_pool):
+    """Stepping it would train nothing: the model holds new (sharded) parameters now."""
+    for refused, held in gloo_pool.run(_late_optimizer, timeout=TIMEOUT):
+        assert "holds the parameters TinyTransformer had before it was prepared" in refused
+        assert "'fsdp' strategy replaced them" in refused and "accelerator.prepare(model, optimizer)" in refused
+        assert held > 0
+
+
 # -- accumulation and clipping -----------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import contextlib
 import functools
+import weakref
 import gc
 import sys
 from collections.abc import Callable, Iterator
@@ -193,6 +194,9 @@ class Accelerator:
         self._plan: StepPlan | None = None
         self._plan_generation = -1
         self._models: list[PreparedModel] = []
+        #: Parameters a strategy replaced at prepare (id → weak reference, model class): an
+        #: optimizer prepared later over them is refused.
+        self._replaced_params: dict[int, tuple[Any, str]] = {}
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[Any] = []
         self._dataloaders: list[Any] = []
@@ -355,10 +359,13 @@ class Accelerator:
                                      "model its own optimizer")
             claimed.update(own)
             own_schedulers = [s for s in schedulers if any(args[s].optimizer is args[o] for o in own)]
+            originals = {id(p): (weakref.ref(p), type(model).__name__) for p in model.parameters()}
             prepared = self._host.hook.torchrig_prepare_model(
                 run=self._run, model=model, optimizers=[args[o] for o in own],
                 schedulers=[args[s] for s in own_schedulers], device_placement=placement[m],
             )
+            live = {id(p) for p in prepared.model.parameters()} | {id(p) for p in prepared.unwrapped.parameters()}
+            self._replaced_params.update((i, ref) for i, ref in originals.items() if i not in live)
             prepared.model = self._apply_precision_and_compile(prepared.model)
             self._models.append(prepared)
             result[m] = prepared.model
@@ -418,7 +425,18 @@ class Accelerator:
 
     def _check_late_optimizer(self, optimizer: Any) -> None:
         """An optimizer prepared after its model must still hold the model's live parameters
-        (a sharding strategy replaces them: then model and optimizer go in one prepare call)."""
+        (a sharding strategy replaces them: then model and optimizer go in one prepare call).
+        Stepping one that holds replaced parameters would silently train nothing."""
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                ref, owner = self._replaced_params.get(id(param), (None, ""))
+                if ref is not None and ref() is param:  # the same object, not a reused id
+                    raise ValueError(
+                        f"prepare(): this {type(optimizer).__name__} holds the parameters {owner} had before it was "
+                        f"prepared, and the {self.config.get('strategy')!r} strategy replaced them (sharding), so "
+                        "stepping it would train nothing. Prepare the model and its optimizer in one call "
+                        "(accelerator.prepare(model, optimizer)), or build the optimizer from the prepared model's "
+                        "parameters")
         held = _optimizer_params(optimizer)
         for prepared in self._models:
             live = {id(p) for p in prepared.model.parameters()} | {id(p) for p in prepared.unwrapped.parameters()}
