@@ -6,7 +6,8 @@ between rounds (a launch right after another one finds a warmer page cache), so 
 hits both alike. The result is the median of the per-round ratios with its bootstrap 95%
 interval (the ratio of the medians is printed beside it); launch-to-launch noise here is about
 ±0.4 s on ~3 s launches, hence 20 rounds by default. Goal: torchrig ÷ torchrun ≤ 1.05 over
-≥ 10 launches each. ``--tee0`` adds ``torchrig --tee 0`` (no console tee of worker output).
+≥ 10 launches each. torchrig's modules are byte-compiled first, as a wheel install leaves them
+(:func:`byte_compile_torchrig`). ``--tee0`` adds ``torchrig --tee 0`` (no console tee of worker output).
 
     python benchmarks/bench_launch.py [--launches 20] [--tee0]
 """
@@ -46,11 +47,32 @@ def launch(command: list[str], out: pathlib.Path) -> float:
     return max(float(f.read_text()) for f in out.glob("rank*")) - start
 
 
+def byte_compile_torchrig() -> list[str]:
+    """Byte-compile torchrig and its plugins, as installing a wheel does (torch's modules were
+    byte-compiled when pip installed it). An editable install under ``PYTHONDONTWRITEBYTECODE=1``
+    (set on these machines) never writes ``.pyc`` files, so every launch would compile the ~170
+    modules the launcher imports from source (~100 ms) — a cost of the checkout, not of torchrig."""
+    import compileall
+    from importlib import metadata, util
+
+    packages = {"torchrig"}
+    for dist in metadata.distributions():
+        packages.update(ep.module.split(".")[0] for ep in dist.entry_points if ep.group.startswith("torchrig"))
+    compiled = []
+    for name in sorted(packages):
+        spec = util.find_spec(name)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            compileall.compile_dir(location, quiet=1)
+            compiled.append(name)
+    return compiled
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=20, help="rounds; each launches every variant once")
     parser.add_argument("--tee0", action="store_true", help="also time `torchrig launch --tee 0`")
     args = parser.parse_args()
+    print(f"byte-compiled: {', '.join(byte_compile_torchrig())}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = pathlib.Path(tmp)
         script = tmp_path / "first_allreduce.py"
