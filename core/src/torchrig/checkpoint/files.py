@@ -175,6 +175,7 @@ class CheckpointWriter:
         self.staging = staging if staging is not None else {}
         self._records: dict[str, FileRecord] = {}
         self._pending: list[tuple[str, Callable[[Any], None], Any, str | None]] = []
+        self._unsynced: list[str] = []  # written on the fast path, fsynced in records()
         self._lock = threading.Lock()
 
     # -- writing ---------------------------------------------------------------------------
@@ -223,14 +224,15 @@ class CheckpointWriter:
         path = os.path.join(self.directory, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if not self.hashing and not (fault_phase and faults.armed(fault_phase, self.rank)):
-            # Fast path: the library writes the file itself, then one fsync.
+            # Fast path: the library writes the file itself; its fsync waits for records(), so the
+            # kernel writes this file back while the next one is being written.
             try:
                 write(path, value)
-                fsync_path(path)
             except Exception as exc:  # OSError, torch.save's RuntimeError, safetensors' SafetensorError
                 raise CheckpointError(describe_write_failure(exc, path)) from exc
             with self._lock:
                 self._records[name] = FileRecord(path=name, size=os.path.getsize(path), rank=self.rank)
+                self._unsynced.append(path)
             return
         try:
             handle = _StreamingFile(path, self.hashing, fault_phase, self.rank)
@@ -261,12 +263,33 @@ class CheckpointWriter:
             self._write_now(name, write, value, fault_phase)
 
     def records(self, extra: list[str] | None = None) -> list[FileRecord]:
-        """Every file this rank wrote; ``extra`` names files written without the writer."""
+        """Every file this rank wrote, each fsynced by now; ``extra`` names files written
+        without the writer. Called before the checkpoint is committed."""
         for name in extra or ():
             if _normalise(name) not in self._records:
                 self.record(name)
         with self._lock:
+            unsynced, self._unsynced = self._unsynced, []
+        if len(unsynced) > 1:  # concurrent fsyncs share the filesystem's journal commits
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=min(8, len(unsynced))) as pool:
+                outcomes = list(pool.map(_fsync_outcome, unsynced))
+        else:
+            outcomes = [_fsync_outcome(path) for path in unsynced]
+        for path, exc in zip(unsynced, outcomes):
+            if exc is not None:  # a delayed write error (e.g. the disk filled up) surfaces here
+                raise CheckpointError(describe_os_error(exc, path)) from exc
+        with self._lock:
             return sorted(self._records.values(), key=lambda r: r.path)
+
+
+def _fsync_outcome(path: str) -> OSError | None:
+    try:
+        fsync_path(path)
+    except OSError as exc:
+        return exc
+    return None
 
 
 def _normalise(name: str) -> str:

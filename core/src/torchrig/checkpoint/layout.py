@@ -117,14 +117,19 @@ def remove_leftovers(root: str) -> list[str]:
     return removed
 
 
-def write_text_atomic(path: str, text: str) -> None:
+def write_text_atomic(path: str, text: str, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``text`` in one rename: readers see the old or the new text. With
+    ``durable=False`` nothing is fsynced (a killed process still leaves one of the two; only a
+    power loss can roll it back) — for files nothing depends on, like the ``latest`` pointer."""
     tmp = f"{path}.tmp-{secrets.token_hex(4)}"
     with open(tmp, "w") as handle:
         handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
     os.replace(tmp, path)
-    fsync_path(os.path.dirname(os.path.abspath(path)))
+    if durable:
+        fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def write_manifest(directory: str, manifest: dict[str, Any]) -> None:
