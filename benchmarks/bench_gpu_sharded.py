@@ -123,15 +123,14 @@ def task(ctx, strategy: str, config: dict, batch: int, rounds: int, steps: int, 
         tokens = [(torch.randint(0, vocab, (batch, seq), generator=generator).to(device),
                    torch.randint(0, vocab, (batch, seq), generator=generator).to(device)) for _ in range(2)]
 
-        def build_hand() -> tuple:
-            return _hand_fsdp(copy.deepcopy(base), device) if strategy == "fsdp" else \
-                _hand_deepspeed(copy.deepcopy(base), device, batch)
+        def build_hand(model: torch.nn.Module) -> tuple:
+            return _hand_fsdp(model, device) if strategy == "fsdp" else _hand_deepspeed(model, device, batch)
 
         if rig_first:
             rig, rig_model, rig_optimizer = _torchrig(strategy, copy.deepcopy(base), device, batch)
-            hand, *_ = build_hand()
+            hand, *_ = build_hand(copy.deepcopy(base))
         else:
-            hand, *_ = build_hand()
+            hand, *_ = build_hand(copy.deepcopy(base))
             rig, rig_model, rig_optimizer = _torchrig(strategy, copy.deepcopy(base), device, batch)
         flops = flops_per_token(base)
         replicated = replicated_state_bytes(base)

@@ -11,16 +11,13 @@ the same message.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
-from typing import Any
-
 import contextlib
 import functools
-import weakref
 import gc
-import sys
-from collections.abc import Callable, Iterator
+import os
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.config.resolve import Layer, ResolvedConfig, Schema, resolve_config
@@ -364,7 +361,7 @@ class Accelerator:
                 run=self._run, model=model, optimizers=[args[o] for o in own],
                 schedulers=[args[s] for s in own_schedulers], device_placement=placement[m],
             )
-            live = {id(p) for p in prepared.model.parameters()} | {id(p) for p in prepared.unwrapped.parameters()}
+            live = _live_param_ids(prepared)
             self._replaced_params.update((i, ref) for i, ref in originals.items() if i not in live)
             prepared.model = self._apply_precision_and_compile(prepared.model)
             self._models.append(prepared)
@@ -439,7 +436,7 @@ class Accelerator:
                         "parameters")
         held = _optimizer_params(optimizer)
         for prepared in self._models:
-            live = {id(p) for p in prepared.model.parameters()} | {id(p) for p in prepared.unwrapped.parameters()}
+            live = _live_param_ids(prepared)
             if held & live and not held <= live:
                 raise ValueError("prepare(): this optimizer was built over parameters its model no longer uses (the "
                                  "strategy replaced them); prepare the model and its optimizer in one call")
@@ -857,6 +854,11 @@ def _adjusted_autocast(plan_autocast: Callable[[], Any], device_type: str, handl
         with torch.autocast(device_type=device_type, dtype=torch.get_autocast_dtype(device_type),
                             cache_enabled=handler.cache_enabled):
             yield
+
+
+def _live_param_ids(prepared: PreparedModel) -> set[int]:
+    """Ids of the parameters a prepared model trains (its wrapper's and its own module's)."""
+    return {id(p) for p in prepared.model.parameters()} | {id(p) for p in prepared.unwrapped.parameters()}
 
 
 def _optimizer_params(optimizer: Any) -> set[int]:

@@ -67,22 +67,13 @@ def start_run(
     host.hook.torchrig_init_process_group(run=run)
     run.collectives = host.hook.torchrig_collectives(run=run)
     host.hook.torchrig_configure.call_historic(kwargs={"run": run})
-    _register_for_exit(run)
+    _LIVE_RUNS.add(run)
     return run
 
 
 #: Runs started and not yet ended, ended at interpreter exit. Weak: a run nobody holds any more
 #: is not kept alive (with its models and engines) just to be unconfigured later.
 _LIVE_RUNS: weakref.WeakSet[RunContext] = weakref.WeakSet()
-_EXIT_HANDLER_REGISTERED = False
-
-
-def _register_for_exit(run: RunContext) -> None:
-    global _EXIT_HANDLER_REGISTERED
-    _LIVE_RUNS.add(run)
-    if not _EXIT_HANDLER_REGISTERED:
-        atexit.register(_end_live_runs)
-        _EXIT_HANDLER_REGISTERED = True
 
 
 def end_run(run: RunContext) -> None:
@@ -103,6 +94,9 @@ def _end_live_runs() -> None:
         except Exception as exc:  # noqa: BLE001 -- at exit: report, and let the other runs end too
             print(f"torchrig: torchrig_unconfigure failed at interpreter exit: {type(exc).__name__}: {exc}",
                   file=sys.stderr, flush=True)
+
+
+atexit.register(_end_live_runs)
 
 
 #: Live runs per process-wide world (the default process group, or the lone process): torch's
