@@ -108,7 +108,11 @@ def replicated_state_bytes(model: torch.nn.Module) -> int:
 
 
 def task(ctx, strategy: str, config: dict, batch: int, rounds: int, steps: int, use_cuda: bool,
-         rig_first: bool = False) -> dict:
+         rig_first: bool = False, copies: int = 1, control: bool = False) -> dict:
+    """One trial on one rank: ``copies`` hand-written and ``copies`` torchrig copies of one model,
+    built alternately (starting with torchrig's if ``rig_first``), trained on the same tokens in
+    interleaved blocks (the order of the copies reversed every round). ``control`` builds both
+    sides hand-written: an A/A run that measures the noise floor of the comparison itself."""
     from torchrig.testing.contracts import rank_environment
 
     with rank_environment(ctx.rank, ctx.world_size):
@@ -123,59 +127,70 @@ def task(ctx, strategy: str, config: dict, batch: int, rounds: int, steps: int, 
         tokens = [(torch.randint(0, vocab, (batch, seq), generator=generator).to(device),
                    torch.randint(0, vocab, (batch, seq), generator=generator).to(device)) for _ in range(2)]
 
-        def build_hand(model: torch.nn.Module) -> tuple:
+        def build(side: str, model: torch.nn.Module) -> tuple:
+            if side == "rig" and not control:
+                return _torchrig(strategy, model, device, batch)
             return _hand_fsdp(model, device) if strategy == "fsdp" else _hand_deepspeed(model, device, batch)
 
-        if rig_first:
-            rig, rig_model, rig_optimizer = _torchrig(strategy, copy.deepcopy(base), device, batch)
-            hand, *_ = build_hand(copy.deepcopy(base))
-        else:
-            hand, *_ = build_hand(copy.deepcopy(base))
-            rig, rig_model, rig_optimizer = _torchrig(strategy, copy.deepcopy(base), device, batch)
+        sides = ["rig", "hand"] if rig_first else ["hand", "rig"]
+        built = [(side, build(side, copy.deepcopy(base))) for _ in range(copies) for side in sides]
+        rig_model, rig_optimizer = next(b[1:] for side, b in built if side == "rig")  # measured after training
         flops = flops_per_token(base)
         replicated = replicated_state_bytes(base)
-        del base
+        steppers = [(side, b[0]) for side, b in built]
+        del base, built
 
-        def block(step_fn) -> float:
-            return tokens_per_second(step_fn, tokens, steps)
-
-        block(hand), block(rig)  # warm up
-        hand_rates, rig_rates = [], []
+        for _, step_fn in steppers:  # warm up
+            tokens_per_second(step_fn, tokens, steps)
+        rates: dict[str, list[float]] = {"hand": [], "rig": []}
+        ratios = []
         for index in range(rounds):
-            order = [(hand, hand_rates), (rig, rig_rates)]
-            for step_fn, rates in (order if index % 2 == 0 else order[::-1]):
-                rates.append(block(step_fn))
-        result = {"hand": statistics.median(hand_rates), "rig": statistics.median(rig_rates),
-                  "ratio": statistics.median(r / h for r, h in zip(rig_rates, hand_rates)), "flops": flops,
-                  "replicated_bytes": replicated,
+            this_round: dict[str, list[float]] = {"hand": [], "rig": []}
+            for side, step_fn in (steppers if index % 2 == 0 else steppers[::-1]):
+                this_round[side].append(tokens_per_second(step_fn, tokens, steps))
+            hand, rig = (statistics.fmean(this_round[side]) for side in ("hand", "rig"))
+            rates["hand"].append(hand)
+            rates["rig"].append(rig)
+            ratios.append(rig / hand)
+        result = {"hand": statistics.median(rates["hand"]), "rig": statistics.median(rates["rig"]),
+                  "ratio": statistics.median(ratios), "flops": flops, "replicated_bytes": replicated,
                   "local_bytes": local_state_bytes(rig_model, rig_optimizer) if strategy == "fsdp" else None}
-        del hand, rig, rig_model, rig_optimizer
+        del steppers, rig_model, rig_optimizer
         gc.collect()
         if use_cuda:
             torch.cuda.empty_cache()
         return result
 
 
-def measure(strategy: str, config: dict, batch: int, rounds: int, steps: int, use_cuda: bool, world: int) -> list[dict]:
-    """Per rank: tokens/s of both sides and their ratio, with the order the two copies are built in
-    balanced. In one process, the copy built first trains faster on CPU (an A/A run of three
-    hand-written ZeRO-3 engines: 1.00, 0.93, 0.98; glibc malloc settings change the pattern), which
-    would bias a single order by several percent. Each order runs in fresh worker processes;
-    ``ratio`` is the geometric mean of the two orders' median ratios, ``orders`` both of them."""
+def measure(strategy: str, config: dict, batch: int, rounds: int, steps: int, use_cuda: bool, world: int,
+            trials: int = 2, copies: int = 1, control: bool = False) -> list[dict]:
+    """Per rank: tokens/s of both sides and their ratio over ``trials`` independent trials, each in
+    fresh worker processes, the side built first alternating between trials.
+
+    On CPU, where a copy lands in memory moves its speed by several percent for as long as it
+    lives, whichever side it is: A/A runs (hand-written on both sides) with one or two copies per
+    side came out 0.96-1.04, the copy built first often fastest. So each trial builds ``copies``
+    copies of each side, alternately, and a round's rate for a side is the mean over its copies:
+    with 8 copies per side the A/A control came out 0.993 and 1.004 in its two trials. ``ratio`` is
+    the geometric mean of the trials' median per-round ratios and ``trials`` every trial's ratio
+    (their spread is the run's own measure of noise; two trials are too few for an interval). One
+    copy per side on the GPU: the 1B model twice is what fits."""
     from torchrig.testing.pool import WorkerPool
 
     env = {"DS_ACCELERATOR": "cpu"} if not use_cuda else {}
     runs = []
-    for rig_first in (False, True):
+    for trial in range(trials):
         with WorkerPool(world_size=world, backend="nccl" if use_cuda else "gloo", env=env,
                         collective_timeout=600) as pool:
-            runs.append(pool.run(task, strategy, config, batch, rounds, steps, use_cuda, rig_first, timeout=3600))
+            runs.append(pool.run(task, strategy, config, batch, rounds, steps, use_cuda, trial % 2 == 1, copies,
+                                 control, timeout=3600))
     combined = []
-    for hand_first, rig_first in zip(*runs):
-        combined.append({**hand_first, "hand": (hand_first["hand"] + rig_first["hand"]) / 2,
-                         "rig": (hand_first["rig"] + rig_first["rig"]) / 2,
-                         "ratio": math.sqrt(hand_first["ratio"] * rig_first["ratio"]),
-                         "orders": (hand_first["ratio"], rig_first["ratio"])})
+    for per_trial in zip(*runs):
+        logs = [math.log(r["ratio"]) for r in per_trial]
+        combined.append({**per_trial[0], "hand": statistics.fmean(r["hand"] for r in per_trial),
+                         "rig": statistics.fmean(r["rig"] for r in per_trial),
+                         "ratio": math.exp(statistics.fmean(logs)),
+                         "trials": [r["ratio"] for r in per_trial]})
     return combined
 
 
@@ -208,8 +223,8 @@ def main() -> int:
         rate = statistics.median(r["rig"] for r in results)
         mfu = rate * results[0]["flops"] / (args.peak_tflops * 1e12)
         print(f"{strategy}: {world} rank(s); torchrig {rate:,.0f} tokens/s per rank, hand-written "
-              f"{statistics.median(r['hand'] for r in results):,.0f}; ratio (worst rank) {ratio:.3f}, by build order "
-              f"{'; '.join(f'{a:.3f}/{b:.3f}' for a, b in (r['orders'] for r in results))}; "
+              f"{statistics.median(r['hand'] for r in results):,.0f}; ratio (worst rank) {ratio:.3f}, by trial "
+              f"{'; '.join('/'.join(f'{t:.3f}' for t in r['trials']) for r in results)}; "
               f"MFU = {rate:,.0f} × {results[0]['flops']:.3e} / {args.peak_tflops:.0f}e12 = {mfu:.1%}")
         if args.cpu_smoke:
             continue

@@ -35,8 +35,8 @@ def main() -> int:
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
             timings[name].append(time.perf_counter() - start)
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys; from torchrig.cli.main import build_parser; "
-         "build_parser().format_help(); import torchrig; print('torch' in sys.modules)"],
+        [sys.executable, "-c", ("import sys; from torchrig.cli.main import build_parser; "
+                                "build_parser().format_help(); import torchrig; print('torch' in sys.modules)")],
         capture_output=True, text=True, check=True,
     )
     torch_median = statistics.median(timings["import torch"])
