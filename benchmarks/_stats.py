@@ -13,9 +13,3 @@ def bootstrap_ci(values: list[float], rounds: int = 2000) -> tuple[float, float]
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
     return medians[int(0.025 * rounds)], medians[int(0.975 * rounds)]
 
-
-def lower_quartile(values: list[float]) -> float:
-    """The 25th percentile: where interference only ever adds time (a busy disk, a neighbour on
-    the host), the fast end of the samples estimates the work itself; the median does not once
-    a third of the samples are hit (see ``bench_checkpoint.py``)."""
-    return statistics.quantiles(values, n=4, method="inclusive")[0]
