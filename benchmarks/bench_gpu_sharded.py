@@ -173,7 +173,7 @@ def measure(strategy: str, config: dict, batch: int, rounds: int, steps: int, us
     copies of each side, alternately, and a round's rate for a side is the mean over its copies:
     with 8 copies per side the A/A control came out 0.993 and 1.004 in its two trials. ``ratio`` is
     the geometric mean of the trials' median per-round ratios and ``trials`` every trial's ratio
-    (their spread is the run's own measure of noise; two trials are too few for an interval). One
+    (their spread is the run's own measure of noise). One
     copy per side on the GPU: the 1B model twice is what fits."""
     from torchrig.testing.pool import WorkerPool
 

@@ -14,7 +14,7 @@ B9   FSDP2: ``fully_shard`` per block and at the root with a bf16 ``MixedPrecisi
      (parameters and AdamW state held locally between steps) reported against DDP's full copy.
 B10  DeepSpeed ZeRO-3 bf16: ``deepspeed.initialize`` ÷ ``Accelerator(deepspeed_plugin=...)`` ≥ 0.98.
 
-    python benchmarks/bench_sharded_cpu.py [--trials 2] [--copies 8] [--rounds 4] [--steps 2] [--control]
+    python benchmarks/bench_sharded_cpu.py [--trials 4] [--copies 8] [--rounds 4] [--steps 2] [--control]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ CONFIG = {"layers": 4, "heads": 4, "d": 256, "vocab": 2048, "seq": 128}
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=2, help="independent trials, each in fresh processes")
+    parser.add_argument("--trials", type=int, default=4, help="independent trials, each in fresh processes")
     parser.add_argument("--copies", type=int, default=8, help="copies of each side per trial")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds per trial")
     parser.add_argument("--steps", type=int, default=2, help="training steps per block")
