@@ -142,18 +142,16 @@ def task(ctx, strategy: str, config: dict, batch: int, rounds: int, steps: int, 
 
         for _, step_fn in steppers:  # warm up
             tokens_per_second(step_fn, tokens, steps)
-        rates: dict[str, list[float]] = {"hand": [], "rig": []}
-        ratios = []
+        rates: dict[str, list[float]] = {"hand": [], "rig": []}  # per round: the mean over a side's copies
         for index in range(rounds):
             this_round: dict[str, list[float]] = {"hand": [], "rig": []}
             for side, step_fn in (steppers if index % 2 == 0 else steppers[::-1]):
                 this_round[side].append(tokens_per_second(step_fn, tokens, steps))
-            hand, rig = (statistics.fmean(this_round[side]) for side in ("hand", "rig"))
-            rates["hand"].append(hand)
-            rates["rig"].append(rig)
-            ratios.append(rig / hand)
+            for side, values in this_round.items():
+                rates[side].append(statistics.fmean(values))
         result = {"hand": statistics.median(rates["hand"]), "rig": statistics.median(rates["rig"]),
-                  "ratio": statistics.median(ratios), "flops": flops, "replicated_bytes": replicated,
+                  "ratio": statistics.median(r / h for r, h in zip(rates["rig"], rates["hand"])), "flops": flops,
+                  "replicated_bytes": replicated,
                   "local_bytes": local_state_bytes(rig_model, rig_optimizer) if strategy == "fsdp" else None}
         del steppers, rig_model, rig_optimizer
         gc.collect()
@@ -173,8 +171,8 @@ def measure(strategy: str, config: dict, batch: int, rounds: int, steps: int, us
     copies of each side, alternately, and a round's rate for a side is the mean over its copies:
     with 8 copies per side the A/A control came out 0.993 and 1.004 in its two trials. ``ratio`` is
     the geometric mean of the trials' median per-round ratios and ``trials`` every trial's ratio
-    (their spread is the run's own measure of noise). One
-    copy per side on the GPU: the 1B model twice is what fits."""
+    (their spread is the run's own measure of noise). One copy per side on the GPU: the 1B model
+    twice is what fits."""
     from torchrig.testing.pool import WorkerPool
 
     env = {"DS_ACCELERATOR": "cpu"} if not use_cuda else {}

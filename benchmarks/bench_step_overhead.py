@@ -32,6 +32,8 @@ def make_model() -> nn.Module:
 
 
 def plain_step_fn(model, optimizer, batches):
+    """The baseline, written as a user writes it (``loss.backward()``), not through the
+    ``backward`` argument :func:`framework_step_fn` takes."""
     loss_fn = nn.functional.cross_entropy
 
     def run(n: int) -> float:
