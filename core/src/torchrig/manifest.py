@@ -58,8 +58,25 @@ class PluginManifest:
     #: A strategy that is the default when a job has several processes and names no strategy.
     default_for_distributed: ClassVar[bool] = False
     #: Public names this plugin provides as ``torchrig.<name>`` (``{"DeepSpeedPlugin":
-    #: "torchrig_deepspeed.options:DeepSpeedPlugin"}``); resolved lazily, torch-free.
+    #: "torchrig_deepspeed.options:DeepSpeedPlugin"}``); resolved lazily, torch-free. Accelerate's
+    #: names that a plugin provides (see :mod:`torchrig.compat.accelerate_names`) resolve from here.
     exports: ClassVar[dict[str, str]] = {}
+
+    # -- what the plugin answers to in Accelerate's vocabulary (torchrig.enums) ----------------
+    #: Strategy: the ``DistributedType`` value it answers to (``accelerator.distributed_type``):
+    #: ``"NO"``, ``"FSDP"``, ``"DEEPSPEED"``..., or ``"MULTI_{device}"`` for data parallelism over
+    #: the selected device, whose :attr:`distributed_device` fills ``{device}`` (cuda: ``GPU``, so
+    #: ``MULTI_GPU``). ``None``: the strategy's own name, a pseudo-member equal to no Accelerate one.
+    distributed_type: ClassVar[str | None] = None
+    #: Device: its name in Accelerate's multi-process values (``"GPU"``, ``"CPU"``); ``None``: the
+    #: device plugin's name in upper case.
+    distributed_device: ClassVar[str | None] = None
+    #: Precision: the ``PrecisionType`` value it answers to (``accelerator.mixed_precision``);
+    #: ``None``: the plugin's own name.
+    precision_type: ClassVar[str | None] = None
+    #: Strategy: the ``AcceleratorState`` attribute under which Accelerate exposes this strategy's
+    #: options (``"deepspeed_plugin"``): the run's section object when selected, ``None`` otherwise.
+    state_attribute: ClassVar[str | None] = None
 
     @hookimpl
     def torchrig_config_sections(self) -> list[ConfigSection]:

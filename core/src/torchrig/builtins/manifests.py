@@ -11,6 +11,7 @@ class SINGLE(PluginManifest):
     summary = "one process on one device, no distribution"
     install_hint = "torchrig"
     aliases = ("NO",)
+    distributed_type = "NO"
 
 
 class _Precision(PluginManifest):
@@ -20,14 +21,17 @@ class _Precision(PluginManifest):
 
 class PRECISION_NO(_Precision):
     summary = "full fp32 precision"
+    precision_type = "no"
 
 
 class PRECISION_FP16(_Precision):
     summary = "float16 autocast with a dynamic GradScaler"
+    precision_type = "fp16"
 
 
 class PRECISION_BF16(_Precision):
     summary = "bfloat16 autocast"
+    precision_type = "bf16"
 
 
 class _Device(PluginManifest):
@@ -38,6 +42,7 @@ class _Device(PluginManifest):
 class DEVICE_CPU(_Device):
     summary = "the CPU (gloo process groups); the fallback when no accelerator is available"
     priority = 0
+    distributed_device = "CPU"
 
 
 class DEVICE_MPS(_Device):
@@ -48,6 +53,7 @@ class DEVICE_MPS(_Device):
 class DEVICE_CUDA(_Device):
     summary = "NVIDIA CUDA GPUs (nccl process groups), one per local rank"
     priority = 100
+    distributed_device = "GPU"
 
 
 # Cluster environments, asked in descending priority (torchrig.builtins.clusters explains why):

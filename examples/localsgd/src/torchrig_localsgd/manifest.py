@@ -17,6 +17,7 @@ class LocalSGDManifest(PluginManifest):
     api_version = HOOK_API_VERSION
     summary = "local SGD: every rank steps on its own data, parameters are averaged every K optimizer steps"
     install_hint = "torchrig-localsgd"
+    distributed_type = "MULTI_{device}"  # data parallel over the selected device, as DDP
     exports = {"LocalSGDKwargs": "torchrig_localsgd.options:LocalSGDKwargs"}
     config_section = ConfigSection(SECTION, LocalSGDKwargs, help="LocalSGDKwargs: how often parameters are averaged")
     cli_flags = (

@@ -27,7 +27,11 @@ class DDPManifest(PluginManifest):
     #: Accelerate's data-parallel ``distributed_type`` values: DDP serves them on any device.
     aliases = ("MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU")
     default_for_distributed = True
-    exports = {"DistributedDataParallelKwargs": "torchrig_ddp.options:DistributedDataParallelKwargs"}
+    distributed_type = "MULTI_{device}"
+    exports = {
+        "DistributedDataParallelKwargs": "torchrig_ddp.options:DistributedDataParallelKwargs",
+        "DDPCommunicationHookType": "torchrig_ddp.options:DDPCommunicationHookType",
+    }
     config_section = ConfigSection(
         SECTION, DistributedDataParallelKwargs, aliases=("ddp_kwargs",),
         help="DistributedDataParallelKwargs: DistributedDataParallel arguments and gradient communication hook",

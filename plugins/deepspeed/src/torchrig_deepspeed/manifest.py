@@ -24,6 +24,8 @@ class DeepSpeedManifest(PluginManifest):
     install_hint = "torchrig[deepspeed]"
     requires = ("deepspeed",)
     aliases = ("DEEPSPEED",)
+    distributed_type = "DEEPSPEED"
+    state_attribute = "deepspeed_plugin"
     exports = {"DeepSpeedPlugin": "torchrig_deepspeed.options:DeepSpeedPlugin"}
     config_section = ConfigSection(
         SECTION, DeepSpeedPlugin,

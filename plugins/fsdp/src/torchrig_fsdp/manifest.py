@@ -45,7 +45,12 @@ class FSDPManifest(PluginManifest):
     install_hint = "torchrig[fsdp]"
     requires = ()  # torch is a dependency of torchrig itself
     aliases = ("FSDP",)
-    exports = {"FullyShardedDataParallelPlugin": "torchrig_fsdp.options:FullyShardedDataParallelPlugin"}
+    distributed_type = "FSDP"
+    state_attribute = "fsdp_plugin"
+    exports = {
+        "FullyShardedDataParallelPlugin": "torchrig_fsdp.options:FullyShardedDataParallelPlugin",
+        "merge_fsdp_weights": "torchrig_fsdp.merge:merge_fsdp_weights",
+    }
     config_section = ConfigSection(
         SECTION, FullyShardedDataParallelPlugin,
         help="FullyShardedDataParallelPlugin (FSDP2); Accelerate's fsdp_* keys are accepted",

@@ -29,6 +29,7 @@ class TensorBoardManifest(PluginManifest):
     summary = "TensorBoard event files in <logging_dir>/<project> (scalars, text, histograms, images, hparams)"
     requires = ("tensorboard",)
     install_hint = "torchrig[tensorboard]"
+    exports = {"TensorBoardTracker": "torchrig_trackers.tensorboard_tracker:TensorBoardTracker"}
 
 
 class WandBManifest(PluginManifest):
@@ -36,6 +37,7 @@ class WandBManifest(PluginManifest):
     summary = "Weights & Biases: one run per job (WANDB_MODE=offline works), config, metrics, images, tables"
     requires = ("wandb",)
     install_hint = "torchrig[wandb]"
+    exports = {"WandBTracker": "torchrig_trackers.wandb_tracker:WandBTracker"}
 
 
 class MLflowManifest(PluginManifest):
@@ -43,6 +45,7 @@ class MLflowManifest(PluginManifest):
     summary = "MLflow: one run in experiment <project>, params and metrics (default store: <logging_dir>/mlflow.db)"
     requires = ("mlflow",)
     install_hint = "torchrig[mlflow]"
+    exports = {"MLflowTracker": "torchrig_trackers.mlflow_tracker:MLflowTracker"}
 
 
 __all__ = ["CSVManifest", "JSONLManifest", "MLflowManifest", "TensorBoardManifest", "WandBManifest"]
