@@ -20,13 +20,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torchrig.checkpoint.manager import CheckpointManager
-from torchrig.config.resolve import Layer, ResolvedConfig, Schema, resolve_config
+from torchrig.compile import compile_model
+from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.errors import ConfigError
 from torchrig.gradient_state import gradient_state_of
+from torchrig.nested import convert_to_fp32, recursively_apply
 from torchrig.optimizer import AcceleratedOptimizer
 from torchrig.plugin_manager import PluginHost
+from torchrig.process import AcceleratorState, ProcessControl
 from torchrig.run import RunContext
-from torchrig.runtime import build_step_plan, claim_world, detect_cluster, end_run, start_run
+from torchrig.runtime import build_step_plan, declared_precision_type, end_run, open_run
 from torchrig.step_plan import StepPlan
 from torchrig.tracking import TrackerHub
 from torchrig.types import PreparedModel
@@ -113,7 +116,7 @@ def _merge_field(arguments: dict[str, Any], section: str, field: str, value: Any
         arguments[section] = attrs.evolve(current, **{field: value})
 
 
-class Accelerator:
+class Accelerator(ProcessControl):
     """Run one training script on one process or many, under the configured strategy.
 
     Arguments follow Hugging Face Accelerate's; ``strategy``, ``config_file`` and
@@ -176,16 +179,8 @@ class Accelerator:
             strategy=strategy,
             strict_config=strict_config,
         )
-        self.config: ResolvedConfig = resolve_config(self._host, arguments=arguments, config_file=config_file)
-        self._host.disable(self.config["disable_plugins"])
-        cluster = detect_cluster(self._host, self.config)
-        if cluster.world_size > 1 and self.config.source("strategy").layer is Layer.DEFAULT:
-            # The job has several processes (torchrun, torchrig launch) and nothing chose a
-            # strategy: resolve again so the default data-parallel strategy is picked.
-            self.config = resolve_config(self._host, arguments=arguments, config_file=config_file,
-                                         world_size=cluster.world_size, warn=False)
-        self._run: RunContext = start_run(self._host, self.config, cluster=cluster)
-        claim_world(self._run)
+        self._run: RunContext = open_run(self._host, arguments, config_file)
+        self.config: ResolvedConfig = self._run.config  # type: ignore[assignment]
         self.gradient_state = gradient_state_of(self._run)
         self._configure_accumulation()
         self._plan: StepPlan | None = None
@@ -223,43 +218,7 @@ class Accelerator:
         state.sync_each_batch = bool(settings["sync_each_batch"])
         state.step_scheduler_with_optimizer = self.step_scheduler_with_optimizer
 
-    # -- where this process sits ----------------------------------------------------------
-
-    @property
-    def device(self) -> Any:
-        """The ``torch.device`` of this process."""
-        assert self._run.device is not None
-        return self._run.device.device
-
-    @property
-    def process_index(self) -> int:
-        return self._run.cluster.rank
-
-    @property
-    def local_process_index(self) -> int:
-        return self._run.cluster.local_rank
-
-    @property
-    def num_processes(self) -> int:
-        return self._run.cluster.world_size
-
-    @property
-    def is_main_process(self) -> bool:
-        return self._run.cluster.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self._run.cluster.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        return self._run.cluster.rank == self._run.cluster.world_size - 1
-
-    @property
-    def use_distributed(self) -> bool:
-        return self._run.cluster.world_size > 1
-
-    # -- what was configured --------------------------------------------------------------
+    # -- what was configured (where this process sits: ProcessControl) -------------------
 
     @property
     def strategy(self) -> str:
@@ -268,7 +227,14 @@ class Accelerator:
 
     @property
     def mixed_precision(self) -> str:
-        return str(self.config["mixed_precision"])
+        """Accelerate's name for the precision (``"no"``, ``"fp16"``, ``"bf16"``), as the precision
+        plugin declares it; equal to the ``PrecisionType`` members."""
+        return declared_precision_type(self._run)
+
+    @property
+    def state(self) -> AcceleratorState:
+        """Accelerate's ``AcceleratorState`` view of this run."""
+        return AcceleratorState._of(self._run)
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -452,13 +418,13 @@ class Accelerator:
             @functools.wraps(forward)
             def autocast_forward(*args: Any, **kwargs: Any) -> Any:
                 with autocast():
-                    return _outputs_to_fp32(forward(*args, **kwargs))
+                    return convert_to_fp32(forward(*args, **kwargs))
 
             model._torchrig_original_forward = forward
             model.forward = autocast_forward
         dynamo = self.config.section("dynamo_config")
         if dynamo.backend != "no" and not dynamo.disable:
-            model = _compile(model, dynamo)
+            model = compile_model(model, dynamo)
         return model
 
     # -- the training step ------------------------------------------------------------------
@@ -536,8 +502,6 @@ class Accelerator:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather for evaluation: on the last batch of a prepared dataloader, drop the samples
         repeated to make batches even, so metrics count every sample exactly once."""
-        from torchrig.collectives import recursively_apply
-
         tensors_only = not use_gather_object and _all_tensors(input_data)
         data = self.gather(input_data) if tensors_only else self._collectives.gather_object(input_data)
         state = self.gradient_state
@@ -550,85 +514,17 @@ class Accelerator:
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         result = self._collectives.reduce(tensor, reduction)
         if scale != 1.0:
-            from torchrig.collectives import recursively_apply
-
             result = recursively_apply(lambda t: t * scale, result)
         return result
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Pad ``dim`` of every tensor to the largest size over all processes."""
-        from torchrig.collectives import recursively_apply
-
-        def pad(t: Any) -> Any:
-            import torch
-
-            if t.dim() == 0 or dim >= t.dim():
-                return t
-            size = torch.tensor([t.shape[dim]], device=t.device)
-            largest = int(self._collectives.gather(size).max())
-            if largest == t.shape[dim]:
-                return t
-            shape = list(t.shape)
-            shape[dim] = largest - t.shape[dim]
-            filler = t.new_full(shape, pad_index)
-            return torch.cat([filler, t] if pad_first else [t, filler], dim=dim)
-
-        return recursively_apply(pad, tensor)
+        return self._collectives.pad_across(tensor, dim, pad_index, pad_first)
 
     def wait_for_everyone(self) -> None:
         """Barrier; also where a failed asynchronous checkpoint save is raised (every rank)."""
         self._checkpoints.wait()
-        self._collectives.barrier()
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """Yield this process's contiguous share of ``inputs`` (list, tuple, dict of lists, tensor)."""
-        yield _split(inputs, self.process_index, self.num_processes, apply_padding)
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """The main process runs the block first (e.g. downloads), the others after it."""
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
-
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        if not self.is_local_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_local_main_process:
-            self.wait_for_everyone()
-
-    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        return self.on_process(function, process_index=0)
-
-    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_local_main_process else None
-
-        return wrapper
-
-    def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        return self.on_process(function, process_index=self.num_processes - 1)
-
-    def on_process(self, function: Callable[..., Any] | None = None, process_index: int = 0) -> Any:
-        if function is None:
-            return functools.partial(self.on_process, process_index=process_index)
-
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.process_index == process_index else None
-
-        return wrapper
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the local main process only."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
+        super().wait_for_everyone()
 
     def set_trigger(self) -> None:
         """Raise a flag on this process that ``check_trigger`` sees on every process."""
@@ -883,64 +779,6 @@ def _all_tensors(data: Any) -> bool:
     if isinstance(data, (list, tuple)):
         return all(_all_tensors(v) for v in data)
     return False
-
-
-def _outputs_to_fp32(output: Any) -> Any:
-    """Cast half-precision floating tensors in a model's output to fp32 (losses and logits
-    computed outside autocast stay in full precision)."""
-    import torch
-
-    from torchrig.collectives import recursively_apply
-
-    def cast(t: Any) -> Any:
-        return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-    if isinstance(output, torch.Tensor):
-        return cast(output)
-    if isinstance(output, Mapping) and hasattr(output, "__setitem__") and type(output) is not dict:
-        for key in list(output.keys()):  # HF ModelOutput: keep its class
-            value = output[key]
-            output[key] = recursively_apply(cast, value)
-        return output
-    return recursively_apply(cast, output)
-
-
-def _compile(model: Any, dynamo: Any) -> Any:
-    """``torch.compile`` the model, or each repeated block of it (regional compilation)."""
-    import torch
-
-    kwargs: dict[str, Any] = {"backend": dynamo.backend, "fullgraph": dynamo.fullgraph, "dynamic": dynamo.dynamic}
-    if dynamo.mode:
-        kwargs["mode"] = dynamo.mode
-    if dynamo.options:
-        kwargs["options"] = dynamo.options
-    if not dynamo.use_regional_compilation:
-        return torch.compile(model, **kwargs)
-    for module in model.modules():
-        for name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.ModuleList):
-                for index, block in enumerate(child):
-                    child[index] = torch.compile(block, **kwargs)
-    return model
-
-
-def _split(inputs: Any, rank: int, world: int, pad: bool) -> Any:
-    if isinstance(inputs, Mapping):
-        return {k: _split(v, rank, world, pad) for k, v in inputs.items()}
-    length = len(inputs)
-    per, extra = divmod(length, world)
-    start = rank * per + min(rank, extra)
-    end = start + per + (1 if rank < extra else 0)
-    share = inputs[start:end]
-    if pad and extra and rank >= extra and length:
-        last = inputs[-1:]
-        if hasattr(share, "dim"):
-            import torch
-
-            share = torch.cat([share, last])
-        else:
-            share = type(share)(list(share) + list(last))
-    return share
 
 
 __all__ = ["Accelerator", "accelerator_arguments"]

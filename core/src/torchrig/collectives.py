@@ -11,26 +11,14 @@ first dimension differs between ranks are padded for the transfer and trimmed af
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from torchrig.nested import pad_to, recursively_apply
+
 _REDUCE_OPS = {"sum", "mean", "max", "min", "product"}
-
-
-def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
-    """Apply ``fn`` to every tensor in a nested list/tuple/dict; other leaves pass through."""
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, Mapping):
-        return type(data)({k: recursively_apply(fn, v) for k, v in data.items()})
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(recursively_apply(fn, v) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(recursively_apply(fn, v) for v in data)
-    return data
 
 
 class Collectives:
@@ -58,7 +46,7 @@ class Collectives:
         if not self.active:
             return tensor
         tensor = tensor.contiguous()
-        sizes = self._all_first_dims(tensor)
+        sizes = self._all_sizes(tensor, 0)
         max_rows = max(sizes)
         if tensor.shape[0] < max_rows:
             pad = tensor.new_zeros((max_rows - tensor.shape[0], *tensor.shape[1:]))
@@ -67,11 +55,28 @@ class Collectives:
         dist.all_gather(out, tensor, group=self.group)
         return torch.cat([chunk[:rows] for chunk, rows in zip(out, sizes)], dim=0)
 
-    def _all_first_dims(self, tensor: torch.Tensor) -> list[int]:
-        local = torch.tensor([tensor.shape[0]], device=tensor.device, dtype=torch.long)
+    def _all_sizes(self, tensor: torch.Tensor, dim: int) -> list[int]:
+        """Every rank's size of ``dim`` of its ``tensor``."""
+        if not self.active:
+            return [int(tensor.shape[dim])]
+        local = torch.tensor([tensor.shape[dim]], device=tensor.device, dtype=torch.long)
         sizes = [torch.zeros_like(local) for _ in range(self.world_size)]
         dist.all_gather(sizes, local, group=self.group)
         return [int(s.item()) for s in sizes]
+
+    def pad_across(self, data: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+        """Pad ``dim`` of every tensor to its largest size over the ranks, with ``pad_index``
+        (before the data with ``pad_first``), so the ranks' tensors can be gathered."""
+
+        def pad(tensor: torch.Tensor) -> torch.Tensor:
+            if getattr(tensor, "is_nested", False):
+                return pad_to(tensor, 0, dim, pad_index, pad_first)  # warns, leaves it as it is
+            if not -tensor.dim() <= dim < tensor.dim():
+                return tensor
+            axis = dim % tensor.dim()
+            return pad_to(tensor, max(self._all_sizes(tensor, axis)), axis, pad_index, pad_first)
+
+        return recursively_apply(pad, data)
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable object, as a list indexed by rank (lists are flattened)."""
@@ -123,4 +128,4 @@ class Collectives:
         return objects
 
 
-__all__ = ["Collectives", "recursively_apply"]
+__all__ = ["Collectives"]

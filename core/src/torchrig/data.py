@@ -134,6 +134,9 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from torchrig.gradient_state import GradientState, gradient_state_of
+from torchrig.nested import send_to_device
+from torchrig.process import PartialState, world_collectives
+from torchrig.runtime import latest_run
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.collectives import Collectives
@@ -459,34 +462,6 @@ class _TaggedCollate:
             sample, tag = items
             return self.collate_fn(sample), tag
         return self.collate_fn([sample for sample, _ in items]), items[0][1]
-
-
-# --------------------------------------------------------------------------------------------
-# device placement
-
-
-def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
-    """Every tensor of a nested dict/list/tuple/namedtuple moved to ``device``; objects with a
-    ``.to`` (HF ``BatchEncoding``) are asked to move themselves; other leaves pass through."""
-    if isinstance(data, torch.Tensor):
-        return data.to(device, non_blocking=non_blocking)
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(send_to_device(v, device, non_blocking) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(send_to_device(v, device, non_blocking) for v in data)
-    to = getattr(data, "to", None)
-    if callable(to) and not isinstance(data, (str, bytes)):
-        try:
-            return to(device, non_blocking=non_blocking)
-        except TypeError:
-            return to(device)
-    if isinstance(data, Mapping):
-        items = {k: send_to_device(v, device, non_blocking) for k, v in data.items()}
-        try:
-            return type(data)(items)
-        except TypeError:  # a mapping type whose constructor takes something else
-            return items
-    return data
 
 
 # --------------------------------------------------------------------------------------------
@@ -1097,15 +1072,21 @@ def shard_dataloader(
     )
 
 
-class _SkipBatchSampler(Sampler[list[Any]]):
-    def __init__(self, batch_sampler: Any, skip: int) -> None:
-        self.batch_sampler, self.skip = batch_sampler, skip
+class SkipBatchSampler(Sampler[list[Any]]):
+    """A batch sampler without the first ``skip_batches`` batches of ``batch_sampler`` (on every pass)."""
+
+    def __init__(self, batch_sampler: Any, skip_batches: int = 0) -> None:
+        self.batch_sampler, self.skip_batches = batch_sampler, skip_batches
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.batch_sampler), self.skip, None)
+        return itertools.islice(iter(self.batch_sampler), self.skip_batches, None)
+
+    @property
+    def total_length(self) -> int:
+        return len(self.batch_sampler)
 
     def __len__(self) -> int:
-        return max(0, len(self.batch_sampler) - self.skip)
+        return max(0, len(self.batch_sampler) - self.skip_batches)
 
 
 class _SkipIterableLoader:
@@ -1124,6 +1105,55 @@ class _SkipIterableLoader:
         if name == "base_dataloader" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.base_dataloader, name)
+
+
+def get_sampler(dataloader: Any) -> Any:
+    """The sampler that orders ``dataloader``'s samples (for a prepared loader: the one that
+    replaced a ``RandomSampler``, else the user's)."""
+    if isinstance(dataloader, PreparedDataLoader):
+        return dataloader.sampler
+    if isinstance(dataloader.sampler, BatchSampler):
+        return getattr(dataloader.sampler, "sampler", None)
+    return getattr(dataloader.batch_sampler, "sampler", None)
+
+
+def prepare_data_loader(dataloader: DataLoader, device: torch.device | str | None = None,
+                        num_processes: int | None = None, process_index: int | None = None,
+                        split_batches: bool = False, put_on_device: bool = False, rng_types: Any = None,
+                        dispatch_batches: bool | None = None, even_batches: bool = True,
+                        slice_fn_for_dispatch: Any = None, use_seedable_sampler: bool = False,
+                        data_seed: int | None = None, non_blocking: bool = False, use_stateful_dataloader: bool = False,
+                        torch_device_mesh: Any = None) -> PreparedDataLoader:
+    """Accelerate's standalone ``prepare_data_loader``: ``dataloader`` sharded for process
+    ``process_index`` of ``num_processes`` (default: this process in this job), batches moved to
+    ``device`` when ``put_on_device`` — without an ``Accelerator``.
+
+    Every prepared loader shuffles from its own seeded generator, identical on every process, and
+    is resumable: ``rng_types``, ``use_seedable_sampler`` and ``use_stateful_dataloader`` therefore
+    need nothing more (no global RNG is synchronised or consumed).
+    """
+    if slice_fn_for_dispatch is not None:
+        raise ValueError("prepare_data_loader(slice_fn_for_dispatch=...): torchrig dispatches per-process batches "
+                         "cut before collation, so there is no slicing function to give")
+    if torch_device_mesh is not None:
+        raise ValueError("prepare_data_loader(torch_device_mesh=...): device meshes (tensor/context parallelism) are "
+                         "not available yet; shard by num_processes/process_index")
+    state = PartialState()
+    run = latest_run()
+    return PreparedDataLoader(
+        dataloader,
+        num_replicas=state.num_processes if num_processes is None else num_processes,
+        rank=state.process_index if process_index is None else process_index,
+        device=(device if device is not None else state.device) if put_on_device else None,
+        non_blocking=non_blocking,
+        split_batches=split_batches,
+        even_batches=even_batches,
+        dispatch_batches=dispatch_batches,
+        seed=data_seed,
+        collectives=world_collectives(),
+        is_source=state.is_main_process,
+        gradient_state=gradient_state_of(run) if run is not None else None,
+    )
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
@@ -1148,7 +1178,7 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
             kwargs["multiprocessing_context"] = dataloader.multiprocessing_context
         return DataLoader(
             dataloader.dataset,
-            batch_sampler=_SkipBatchSampler(dataloader.batch_sampler, num_batches),
+            batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
             collate_fn=dataloader.collate_fn,
             generator=dataloader.generator,
             **kwargs,
@@ -1159,8 +1189,11 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
 __all__ = [
     "PreparedDataLoader",
     "SeedableRandomSampler",
+    "SkipBatchSampler",
     "derive_seed",
     "epoch_seed",
+    "get_sampler",
+    "prepare_data_loader",
     "prepare_dataloader",
     "send_to_device",
     "shard_dataloader",

@@ -13,6 +13,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from torchrig.config.resolve import Layer, resolve_config
+from torchrig.enums import DistributedType
 from torchrig.kinds import PluginKind
 from torchrig.plugin_manager import PluginHost, PluginStatus
 from torchrig.run import RunContext
@@ -52,15 +54,23 @@ def start_run(
     environ: Mapping[str, str] | None = None,
     *,
     cluster: ClusterInfo | None = None,
+    process_only: bool = False,
 ) -> RunContext:
     """Detect the cluster (unless given), select plugins, claim the device, join the process group.
 
     Order (each step a hook): ``torchrig_detect_cluster`` → ``torchrig_select_device`` →
     ``torchrig_init_process_group`` → ``torchrig_collectives`` → ``torchrig_configure``.
+
+    ``process_only``: only the device and the process group (``PartialState`` before any
+    ``Accelerator``): no precision, strategy or tracker is selected, so the Accelerator created
+    later may choose any strategy and adopts the process group.
     """
     if cluster is None:
         cluster = detect_cluster(host, config, environ)
-    select_plugins(host, config)
+    if process_only:
+        host.select_auto(PluginKind.DEVICE, only="cpu" if config.get("use_cpu") else (config.get("device") or None))
+    else:
+        select_plugins(host, config)
     host.check_pending()
     run = RunContext(config=config, plugins=host, cluster=cluster)
     run.device = host.hook.torchrig_select_device(run=run)
@@ -68,12 +78,66 @@ def start_run(
     run.collectives = host.hook.torchrig_collectives(run=run)
     host.hook.torchrig_configure.call_historic(kwargs={"run": run})
     _LIVE_RUNS.add(run)
+    _STARTED.append(weakref.ref(run))
+    return run
+
+
+def open_run(host: PluginHost, arguments: Mapping[str, Any], config_file: Any = None, *,
+             process_only: bool = False) -> RunContext:
+    """Resolve the configuration (``arguments``: the script's, see :func:`resolve_config`), detect
+    the cluster and start the run: what ``Accelerator(...)`` and ``PartialState()`` both do."""
+    config = resolve_config(host, arguments=arguments, config_file=config_file)
+    host.disable(config["disable_plugins"])
+    cluster = detect_cluster(host, config)
+    if cluster.world_size > 1 and config.source("strategy").layer is Layer.DEFAULT:
+        # The job has several processes (torchrun, torchrig launch) and nothing chose a
+        # strategy: resolve again so the default data-parallel strategy is picked.
+        config = resolve_config(host, arguments=arguments, config_file=config_file, world_size=cluster.world_size,
+                                warn=False)
+    run = start_run(host, config, cluster=cluster, process_only=process_only)
+    if not process_only:
+        claim_world(run)
     return run
 
 
 #: Runs started and not yet ended, ended at interpreter exit. Weak: a run nobody holds any more
 #: is not kept alive (with its models and engines) just to be unconfigured later.
 _LIVE_RUNS: weakref.WeakSet[RunContext] = weakref.WeakSet()
+#: Every run started, oldest first (weak), for :func:`latest_run`.
+_STARTED: list[weakref.ref[RunContext]] = []
+
+
+def latest_run() -> RunContext | None:
+    """The most recently started run of this process that has not ended, or None."""
+    _STARTED[:] = [ref for ref in _STARTED if ref() is not None]
+    for ref in reversed(_STARTED):
+        run = ref()
+        if run is not None and not run.ended:
+            return run
+    return None
+
+
+def declared_distributed_type(run: RunContext) -> DistributedType:
+    """The ``DistributedType`` the run's strategy declares in its manifest (``"MULTI_{device}"``
+    filled in from the device's manifest); the strategy's name when it declares none."""
+    host, strategy = run.plugins, str(run.config.get("strategy") or DEFAULT_STRATEGY)
+    assert host is not None
+    declared = host.info(PluginKind.STRATEGY, strategy).manifest
+    value = declared.distributed_type if declared is not None and declared.distributed_type else strategy
+    if "{device}" in value:
+        device_name = run.device.name if run.device is not None else "cpu"
+        device = host.info(PluginKind.DEVICE, device_name).manifest
+        value = value.format(device=(device.distributed_device if device is not None and device.distributed_device
+                                     else device_name.upper()))
+    return DistributedType(value)
+
+
+def declared_precision_type(run: RunContext) -> str:
+    """The ``PrecisionType`` value the run's precision plugin declares (its name if none)."""
+    host, precision = run.plugins, str(run.config.get("mixed_precision") or DEFAULT_PRECISION)
+    assert host is not None
+    declared = host.info(PluginKind.PRECISION, precision).manifest
+    return declared.precision_type if declared is not None and declared.precision_type else precision
 
 
 def end_run(run: RunContext) -> None:
@@ -150,4 +214,6 @@ def build_step_plan(host: PluginHost, run: RunContext) -> StepPlan:
     return builder.build()
 
 
-__all__ = ["DEFAULT_PRECISION", "DEFAULT_STRATEGY", "build_step_plan", "claim_world", "detect_cluster", "end_run", "negotiate_capabilities", "select_plugins", "start_run"]
+__all__ = ["DEFAULT_PRECISION", "DEFAULT_STRATEGY", "build_step_plan", "claim_world", "declared_distributed_type",
+           "declared_precision_type", "detect_cluster", "end_run", "latest_run", "negotiate_capabilities", "open_run",
+           "select_plugins", "start_run"]

@@ -36,6 +36,19 @@ def _gpu_ids(value: Any) -> Any:
     return value
 
 
+class KwargsHandler:
+    """Base of the options objects passed in ``Accelerator(kwargs_handlers=[...])`` (Accelerate's
+    ``KwargsHandler``): ``to_dict()`` gives every field, ``to_kwargs()`` the fields that differ
+    from the class's defaults (``PartialState(**InitProcessGroupKwargs(timeout=60).to_kwargs())``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self, recurse=False)  # type: ignore[arg-type]
+
+    def to_kwargs(self) -> dict[str, Any]:
+        defaults = type(self)().to_dict()
+        return {key: value for key, value in self.to_dict().items() if defaults[key] != value}
+
+
 @attrs.frozen(kw_only=True)
 class CoreOptions:
     """Top-level configuration keys."""
@@ -119,13 +132,13 @@ class GradientAccumulationPlugin:
 
 
 @attrs.frozen(kw_only=True)
-class AutocastKwargs:
+class AutocastKwargs(KwargsHandler):
     enabled: bool = option(True, help="enable autocast")
     cache_enabled: bool | None = option(None, help="autocast weight cache")
 
 
 @attrs.frozen(kw_only=True)
-class GradScalerKwargs:
+class GradScalerKwargs(KwargsHandler):
     init_scale: float = option(65536.0, help="initial loss scale", validator=at_least(0))
     growth_factor: float = option(2.0, help="scale multiplier after growth_interval steps without overflow")
     backoff_factor: float = option(0.5, help="scale multiplier after an overflow")
@@ -134,7 +147,7 @@ class GradScalerKwargs:
 
 
 @attrs.frozen(kw_only=True)
-class InitProcessGroupKwargs:
+class InitProcessGroupKwargs(KwargsHandler):
     init_method: str | None = option(None, help="torch.distributed init_method (default: env://)")
     timeout: float = option(1800.0, help="collective timeout in seconds, applied to every process group",
                             converter=_seconds, validator=at_least(1))
@@ -184,6 +197,7 @@ __all__ = [
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
+    "KwargsHandler",
     "ProjectConfiguration",
     "TorchDynamoPlugin",
 ]

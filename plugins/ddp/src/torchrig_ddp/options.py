@@ -8,10 +8,12 @@ and what a config file's ``ddp_config:`` section, ``TORCHRIG_DDP_CONFIG__*`` var
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import attrs
 
+from torchrig.config.options import KwargsHandler
 from torchrig.config.schema import at_least, enum_name, option
 
 #: ``comm_hook`` values: which ``torch.distributed.algorithms.ddp_comm_hooks`` hook to register.
@@ -20,6 +22,19 @@ COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 COMM_WRAPPERS = ("no", "fp16", "bf16")
 #: Hooks that take a ``PowerSGDState`` (``comm_state_option``) and may be wrapped.
 POWER_SGD_HOOKS = ("power_sgd", "batched_power_sgd")
+
+
+class DDPCommunicationHookType(str, enum.Enum):
+    """Accelerate's names for the ``comm_hook``/``comm_wrapper`` values (``str()`` is the value)."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+    def __str__(self) -> str:
+        return str(self.value)
 
 
 def _hook_name(value: Any) -> Any:
@@ -44,7 +59,7 @@ def _one_of(allowed: tuple[str, ...]) -> Any:
 
 
 @attrs.frozen(kw_only=True)
-class DistributedDataParallelKwargs:
+class DistributedDataParallelKwargs(KwargsHandler):
     """Arguments of ``torch.nn.parallel.DistributedDataParallel`` and its communication hook.
 
     Defaults are DDP's own (and Accelerate's), so an empty section changes nothing.
@@ -73,4 +88,4 @@ class DistributedDataParallelKwargs:
                    "start_powerSGD_iter, ...)")
 
 
-__all__ = ["COMM_HOOKS", "COMM_WRAPPERS", "POWER_SGD_HOOKS", "DistributedDataParallelKwargs"]
+__all__ = ["COMM_HOOKS", "COMM_WRAPPERS", "POWER_SGD_HOOKS", "DDPCommunicationHookType", "DistributedDataParallelKwargs"]
