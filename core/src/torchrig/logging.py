@@ -12,6 +12,8 @@ import os
 from collections.abc import MutableMapping
 from typing import Any
 
+from torchrig.compat.resolve import module_attributes
+
 LOG_LEVEL_ENV = "TORCHRIG_LOG_LEVEL"
 
 
@@ -57,6 +59,13 @@ class MultiProcessAdapter(logging.LoggerAdapter):
         return (f"[rank {rank}] {msg}" if world > 1 else msg), kwargs
 
 
+def get_pretty_name(obj: Any) -> str:
+    """A readable name for ``obj``: its (or its class's) qualified name, else ``str(obj)``."""
+    if not hasattr(obj, "__qualname__") and not hasattr(obj, "__name__"):
+        obj = getattr(obj, "__class__", obj)
+    return str(getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or obj)
+
+
 def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
     logger = logging.getLogger(name)
     level = log_level or os.environ.get(LOG_LEVEL_ENV)
@@ -66,4 +75,7 @@ def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
     return MultiProcessAdapter(logger, {})
 
 
-__all__ = ["LOG_LEVEL_ENV", "MultiProcessAdapter", "get_logger"]
+__all__ = ["LOG_LEVEL_ENV", "MultiProcessAdapter", "get_logger", "get_pretty_name"]
+
+# Accelerate's other names at this path (refusals, plugin exports): the declared table.
+__getattr__, __dir__ = module_attributes(__name__, globals())

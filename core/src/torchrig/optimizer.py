@@ -9,8 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchrig.compat.resolve import module_attributes
 from torchrig.gradient_state import GradientState
+from torchrig.nested import send_to_device
 from torchrig.step_plan import StepPlan
+
+
+def move_to_device(state: Any, device: Any) -> Any:
+    """An optimizer state (nested lists, tuples, dicts of tensors) with every tensor on ``device``."""
+    return send_to_device(state, device)
 
 
 class AcceleratedOptimizer:
@@ -70,4 +77,7 @@ class AcceleratedOptimizer:
         return f"AcceleratedOptimizer({self.optimizer!r})"
 
 
-__all__ = ["AcceleratedOptimizer"]
+__all__ = ["AcceleratedOptimizer", "move_to_device"]
+
+# Accelerate's other names at this path (refusals, plugin exports): the declared table.
+__getattr__, __dir__ = module_attributes(__name__, globals())

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from torchrig.compat.resolve import module_attributes
+
 
 class OptimizerStepScheduler:
     """Wraps a ``torch.optim.lr_scheduler`` scheduler; other attributes pass through."""
@@ -49,3 +51,6 @@ class OptimizerStepScheduler:
 
 
 __all__ = ["OptimizerStepScheduler"]
+
+# Accelerate's other names at this path (refusals, plugin exports): the declared table.
+__getattr__, __dir__ = module_attributes(__name__, globals())

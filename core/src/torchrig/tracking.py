@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from torchrig.compat.resolve import module_attributes
+
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.run import RunContext
 
@@ -780,3 +782,6 @@ def _put(target: dict[str, Any], section: str, field: str, value: Any) -> None:
 __all__ = [
     "BlankTracker", "Tracker", "TrackerHandle", "TrackerHub", "as_scalar", "flatten", "jsonable", "run_hyperparameters",
 ]
+
+# Accelerate's other names at this path (refusals, plugin exports): the declared table.
+__getattr__, __dir__ = module_attributes(__name__, globals())

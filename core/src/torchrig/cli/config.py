@@ -13,12 +13,10 @@ import json
 import os
 import pathlib
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-import yaml
-
+from torchrig.config.default_file import detect_defaults, write_config_file
 from torchrig.config.flags import add_config_flags, collect_flags, flag_values
 from torchrig.config.resolve import CONFIG_FILE_ENV, ResolvedConfig, Schema, default_config_path, resolve_config
 from torchrig.errors import ConfigError
@@ -63,8 +61,8 @@ def run_config(argv: Sequence[str], *, stdin: TextIO | None = None, stdout: Text
             print(f"  note: {note.key} ({note.source.detail}) has no effect: {note.reason}", file=stdout)
         return 0
     target = pathlib.Path(args.config_file) if args.config_file else default_config_path()
-    answers = _detect_defaults(host) if args.default else _questionnaire(host, stdin, stdout)
-    _write_validated(host, answers, target)
+    answers = detect_defaults(host) if args.default else _questionnaire(host, stdin, stdout)
+    write_config_file(host, answers, target)
     print(f"configuration written to {target}", file=stdout)
     return 0
 
@@ -99,27 +97,6 @@ def _show_value(value: Any) -> str:
 
 def _strategy_names(host: PluginHost) -> list[str]:
     return [i.name for i in host.plugins("strategy") if i.status in (PluginStatus.AVAILABLE, PluginStatus.SELECTED)]
-
-
-def _default_distributed(host: PluginHost) -> str | None:
-    for info in host.plugins("strategy"):
-        if info.manifest is not None and info.manifest.default_for_distributed and info.status is PluginStatus.AVAILABLE:
-            return info.name
-    return None
-
-
-def _detect_defaults(host: PluginHost) -> dict[str, Any]:
-    """What ``accelerate config default`` would write, from the hardware torch sees."""
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    answers: dict[str, Any] = {"mixed_precision": "no", "use_cpu": gpus == 0, "num_machines": 1,
-                               "num_processes": max(gpus, 1)}
-    distributed = _default_distributed(host)
-    answers["strategy"] = distributed if gpus > 1 and distributed else "single"
-    if answers["strategy"] == "single":
-        answers["num_processes"] = 1
-    return answers
 
 
 def _ask(stdin: TextIO, stdout: TextIO, question: str, default: Any, convert: Callable[[str], Any]) -> Any:
@@ -181,23 +158,6 @@ def _questionnaire(host: PluginHost, stdin: TextIO, stdout: TextIO) -> dict[str,
     answers["mixed_precision"] = _ask(stdin, stdout, f"Mixed precision ({'/'.join(precisions)})", "no", _choice(precisions))
     answers["gradient_accumulation_steps"] = _ask(stdin, stdout, "Gradient accumulation steps", 1, _positive_int)
     return answers
-
-
-def _write_validated(host: PluginHost, answers: dict[str, Any], target: pathlib.Path) -> None:
-    """Validate the answers as a config file would be, then write it atomically."""
-    text = yaml.safe_dump(answers, sort_keys=False)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".default_config.", suffix=".yaml", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        resolve_config(host, config_file=tmp, default_file=False, environ={}, flags={}, warn=False)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 __all__ = ["run_config"]

@@ -8,6 +8,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from torchrig.compat.resolve import module_attributes
+
 _OOM_MESSAGES = (
     "CUDA out of memory.",
     "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
@@ -36,6 +38,15 @@ def release_memory(*objects: Any) -> list[None]:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return [None for _ in objects]
+
+
+def convert_bytes(size: float) -> str:
+    """``size`` bytes in the largest unit below 1024 of it (``"1.5 GB"``)."""
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if size < 1024.0:
+            return f"{round(size, 2)} {unit}"
+        size /= 1024.0
+    return f"{round(size, 2)} PB"
 
 
 def find_executable_batch_size(function: Callable[..., Any] | None = None, starting_batch_size: int = 128,
@@ -67,3 +78,9 @@ def find_executable_batch_size(function: Callable[..., Any] | None = None, start
                 batch_size = reduce(batch_size)
 
     return decorator
+
+
+__all__ = ["convert_bytes", "find_executable_batch_size", "release_memory", "should_reduce_batch_size"]
+
+# Accelerate's other names at this path (refusals, plugin exports): the declared table.
+__getattr__, __dir__ = module_attributes(__name__, globals())

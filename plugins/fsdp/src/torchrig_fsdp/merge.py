@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 
 import torch
 
@@ -46,13 +47,14 @@ def find_models(checkpoint: str) -> dict[int, str]:
     return found
 
 
-def merge_weights(checkpoint: str, output: str, *, overwrite: bool = False) -> list[str]:
-    """Write ``model.safetensors`` (``model_<i>.safetensors``) into ``output`` for every model in
-    ``checkpoint``; returns the paths written."""
+def merge_weights(checkpoint: str, output: str, *, overwrite: bool = False, safe_serialization: bool = True) -> list[str]:
+    """Write ``model.safetensors`` (``model_<i>.safetensors``; ``pytorch_model[_<i>].bin`` without
+    ``safe_serialization``) into ``output`` for every model in ``checkpoint``; returns the paths written."""
     from safetensors.torch import save_file
 
     models = find_models(checkpoint)
-    targets = {index: os.path.join(output, "model.safetensors" if index == 0 else f"model_{index}.safetensors")
+    stem, suffix = ("model", ".safetensors") if safe_serialization else ("pytorch_model", ".bin")
+    targets = {index: os.path.join(output, f"{stem}{suffix}" if index == 0 else f"{stem}_{index}{suffix}")
                for index in models}
     existing = [path for path in targets.values() if os.path.exists(path)]
     if existing and not overwrite:
@@ -64,11 +66,27 @@ def merge_weights(checkpoint: str, output: str, *, overwrite: bool = False) -> l
         tensors = _unshared(state, source)
         target = targets[index]
         temporary = f"{target}.tmp-{os.getpid()}"
-        save_file(tensors, temporary, metadata={"format": "pt", "source": os.path.abspath(source)})
+        if safe_serialization:
+            save_file(tensors, temporary, metadata={"format": "pt", "source": os.path.abspath(source)})
+        else:
+            torch.save(tensors, temporary)
         with open(temporary, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(temporary, target)
         written.append(target)
+    return written
+
+
+def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization: bool = True,
+                       remove_checkpoint_dir: bool = False) -> list[str]:
+    """Accelerate's ``merge_fsdp_weights``: full weights of a sharded fsdp checkpoint, in one process.
+
+    ``checkpoint_dir`` is a ``save_state`` checkpoint or one model's DCP directory
+    (``pytorch_model_fsdp_0``); existing outputs are replaced, as in Accelerate, and with
+    ``remove_checkpoint_dir`` the source directory is deleted once every file is written."""
+    written = merge_weights(checkpoint_dir, output_path, overwrite=True, safe_serialization=safe_serialization)
+    if remove_checkpoint_dir:
+        shutil.rmtree(checkpoint_dir)
     return written
 
 
@@ -93,4 +111,4 @@ def _unshared(state: dict[str, object], source: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-__all__ = ["MergeWeightsError", "find_models", "merge_weights"]
+__all__ = ["MergeWeightsError", "find_models", "merge_fsdp_weights", "merge_weights"]
