@@ -63,44 +63,37 @@ _LAZY: dict[str, str] = {
 __all__ = ["__version__", *sorted(_LAZY)]
 
 
-#: Names provided by first-party plugins, and the pip requirement that installs each; used only
-#: for the error message when the plugin is missing (installed plugins declare their exports).
-_PLUGIN_EXPORT_HINTS: dict[str, str] = {
-    "DistributedDataParallelKwargs": "torchrig-ddp",
-    "FullyShardedDataParallelPlugin": "torchrig[fsdp]",
-    "DeepSpeedPlugin": "torchrig[deepspeed]",
-}
-
-
 def __getattr__(name: str) -> Any:
+    """torchrig's own names (``_LAZY``), then Accelerate's top-level names (from the declared table
+    in :mod:`torchrig.compat.accelerate_names`), then any other name an installed plugin exports."""
     module = _LAZY.get(name)
     if module is not None:
         value = getattr(importlib.import_module(module), name)
-    elif name[:1].isupper():
-        value = _plugin_export(name)
-    else:
+    elif name.startswith("__"):
         raise AttributeError(f"module 'torchrig' has no attribute {name!r}")
+    else:
+        value = _compat_or_plugin_export(name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
-def _plugin_export(name: str) -> Any:
-    """``torchrig.DeepSpeedPlugin`` and friends: resolved from the installed plugin's manifest
-    (its ``exports``), so the core never imports a plugin package by name."""
-    from torchrig.discovery import load_reference
-    from torchrig.plugin_manager import PluginHost
-
-    for info in PluginHost(register_defaults=False).plugins():
-        if info.manifest is not None and name in info.manifest.exports:
-            return load_reference(info.manifest.exports[name])
-    hint = _PLUGIN_EXPORT_HINTS.get(name)
-    if hint is None:
-        raise AttributeError(f"module 'torchrig' has no attribute {name!r}")
-    raise ImportError(f"torchrig.{name} is provided by a plugin that is not installed: pip install '{hint}'", name=name)
+def _compat_or_plugin_export(name: str) -> Any:
+    """Accelerate's top-level names from the declared table (plain data, cheap to read), and
+    class-like names plugins export; other names fail at once, without importing the plugin host
+    (``from torchrig import <submodule>`` asks here first)."""
+    table = importlib.import_module("torchrig.compat.accelerate_names").TABLE["accelerate"]
+    if name in table:
+        return importlib.import_module("torchrig.compat.resolve").resolve("accelerate", name)
+    if name[:1].isupper():
+        value = importlib.import_module("torchrig.compat.resolve").plugin_export(name)
+        if value is not None:
+            return value
+    raise AttributeError(f"module 'torchrig' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    table = importlib.import_module("torchrig.compat.accelerate_names").TABLE["accelerate"]
+    return sorted(set(globals()) | set(_LAZY) | set(table))
 
 
 if TYPE_CHECKING:  # pragma: no cover

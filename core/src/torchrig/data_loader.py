@@ -1,0 +1,10 @@
+"""Accelerate's ``accelerate.data_loader``, under torchrig: prepared loaders, sharding and skipping batches.
+
+Every name resolves from the declared table :mod:`torchrig.compat.accelerate_names` — torchrig's
+own object, a plugin's export, or a refusal that says why and what to use (docs/accelerate.md).
+"""
+
+from torchrig.compat.resolve import module_attributes, provided_names
+
+__getattr__, __dir__ = module_attributes(__name__, globals())
+__all__ = provided_names("accelerate.data_loader")  # noqa: PLE0605 -- the table is the one list of names
