@@ -22,6 +22,7 @@ from typing import Any
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.compile import compile_model
 from torchrig.config.resolve import ResolvedConfig, Schema
+from torchrig.enums import RNGType
 from torchrig.errors import ConfigError
 from torchrig.gradient_state import gradient_state_of
 from torchrig.nested import convert_to_fp32, recursively_apply
@@ -152,7 +153,7 @@ class Accelerator(ProcessControl):
         strict_config: bool | None = None,
     ) -> None:
         self.device_placement = device_placement
-        self.rng_types = list(rng_types) if rng_types is not None else None
+        self.rng_types = RNGType.parse_all(rng_types, "Accelerator(rng_types=...)")
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self._host = PluginHost()
         schema = Schema(self._host)

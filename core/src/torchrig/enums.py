@@ -149,6 +149,26 @@ class RNGType(_ValueEnum):
     NEURON = "neuron"
     GENERATOR = "generator"
 
+    @classmethod
+    def parse_all(cls, values: Any, where: str) -> list[RNGType] | None:
+        """``values`` as members (``None`` stays ``None``); a ValueError naming ``where`` and the
+        bad value otherwise. torchrig's prepared loaders shuffle from their own seeded generator,
+        identical on every process, so no global generator needs synchronising; the members are
+        validated and kept for scripts that read them back."""
+        if values is None:
+            return None
+        if isinstance(values, (str, RNGType)):
+            values = [values]
+        parsed = []
+        for value in values:
+            try:
+                parsed.append(cls(str(value)))
+            except ValueError:
+                raise ValueError(f"{where}: {value!r} is not a random number generator Accelerate knows; use "
+                                 f"{', '.join(member.value for member in cls)} (torchrig's prepared loaders shuffle "
+                                 "from their own seeded generator, so none needs synchronising)") from None
+        return parsed
+
 
 class CustomDtype(enum.Enum):
     """Sub-byte and fp8 storage types, for size computations (``dtype_byte_size``)."""

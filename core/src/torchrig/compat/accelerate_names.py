@@ -1,7 +1,7 @@
 """The declared table: every public name of Accelerate's modules, and what torchrig does with it.
 
 Generated from Accelerate's own ``__init__``/``__all__`` files and module definitions at
-huggingface/accelerate@16cb6eb8 (1.15.0.dev0) — ``docs/accelerate_names.py`` lists them again from
+huggingface/accelerate@16cb6eb8 (1.15.0.dev0) — ``tests/data/gen_accelerate_names.py`` lists them again from
 an Accelerate source tree and ``tests/test_accelerate_names.py`` checks that this table has
 exactly those names, that every implemented one resolves and that every refusal says why.
 
