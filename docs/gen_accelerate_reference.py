@@ -42,13 +42,13 @@ def generated_section() -> str:
             else:
                 counts["implemented"] += 1
     lines = [BEGIN, "",
-             f"Generated from `torchrig.compat.accelerate_names` (Accelerate {ACCELERATE_SOURCE}) by "
-             "`python docs/gen_accelerate_reference.py`: "
-             f"{counts['implemented']} names implemented by torchrig, {counts['plugin']} provided by plugins, "
-             f"{counts['refused']} refused.", "",
+             (f"Generated from `torchrig.compat.accelerate_names` (Accelerate {ACCELERATE_SOURCE}) by "
+              "`python docs/gen_accelerate_reference.py`: "
+              f"{counts['implemented']} names implemented by torchrig, {counts['plugin']} provided by plugins, "
+              f"{counts['refused']} refused."), "",
              "### Names a plugin provides", "",
-             "Resolved from the installed plugins' manifests (`exports`); when none provides one, importing it "
-             "raises `RefusedNameError` naming what does.", "",
+             ("Resolved from the installed plugins' manifests (`exports`); when none provides one, importing it "
+              "raises `RefusedNameError` naming what does."), "",
              "| names | provided by |", "|---|---|",
              *(f"| {', '.join(paths)} | {by} |" for by, paths in provided.items()), "",
              "### Refused names", "",

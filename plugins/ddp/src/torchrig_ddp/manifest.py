@@ -15,6 +15,7 @@ from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
+
 from torchrig_ddp.options import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS, DistributedDataParallelKwargs
 
 SECTION = "ddp_config"

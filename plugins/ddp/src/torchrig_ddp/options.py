@@ -12,7 +12,6 @@ import enum
 from typing import Any
 
 import attrs
-
 from torchrig.config.options import KwargsHandler
 from torchrig.config.schema import at_least, enum_name, option
 

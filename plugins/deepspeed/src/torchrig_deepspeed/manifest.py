@@ -13,6 +13,7 @@ from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
+
 from torchrig_deepspeed.options import OFFLOAD_DEVICES, DeepSpeedPlugin
 
 SECTION = "deepspeed_config"

@@ -27,6 +27,7 @@ from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
+
 from torchrig_fsdp.options import (
     AUTO_WRAP_POLICIES,
     BACKWARD_PREFETCH,

@@ -13,8 +13,8 @@ import re
 import shutil
 
 import torch
-
 from torchrig.errors import TorchrigError
+
 from torchrig_fsdp.checkpoint import read_sharded_model
 
 _SHARDED = re.compile(r"^pytorch_model_fsdp_(\d+)$")
