@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -44,6 +45,7 @@ def rank_environment(rank: int, world_size: int, extra: Mapping[str, str] | None
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        shutil.rmtree(home, ignore_errors=True)  # a test leaves the temp directory as it found it
 
 
 class SingleProcess:
