@@ -15,6 +15,8 @@ from torchrig._version import __version__
 _LAZY: dict[str, str] = {
     # the user API
     "Accelerator": "torchrig.accelerator",
+    # Accelerate has it only in accelerate.state; scripts reach for it beside PartialState
+    "AcceleratorState": "torchrig.process",
     # plugin API
     "hookimpl": "torchrig.markers",
     "hookspec": "torchrig.markers",
