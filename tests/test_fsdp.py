@@ -525,6 +525,38 @@ def test_full_state_dict_type_writes_gathered_files_on_rank0_only(gloo_pool, tmp
             assert torch.equal(result["optimizer"][key], value), key
 
 
+def _stateless_optimizer_round_trip(ctx, directory, state_dict_type):
+    """SGD without momentum keeps no tensors: a full optimizer state holds only hyperparameters
+    (torch's set_optimizer_state_dict cannot distribute it: "Expected device to be set")."""
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = accelerator_for(strategy="fsdp", fsdp_plugin=fsdp(state_dict_type=state_dict_type))
+        model = make_model()
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in range(2):
+            x, y = batch(accelerator.process_index, step)
+            accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        accelerator.save_state(directory)
+        saved = flat(accelerator.unwrap_model(model))
+        optimizer.param_groups[0]["lr"] = 0.5  # changed after the save: the load must bring 0.1 back
+        x, y = batch(accelerator.process_index, 5)
+        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+        moved = not torch.equal(flat(accelerator.unwrap_model(model)), saved)
+        accelerator.load_state(directory)
+        result = {"moved": moved, "restored": torch.equal(flat(accelerator.unwrap_model(model)), saved),
+                  "lr": optimizer.param_groups[0]["lr"]}
+        accelerator.end_training()
+        return result
+
+
+@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_an_optimizer_without_tensor_state_saves_and_loads(gloo_pool, tmp_path, state_dict_type):
+    results = gloo_pool.run(_stateless_optimizer_round_trip, str(tmp_path / "ckpt"), state_dict_type, timeout=TIMEOUT)
+    assert results == [{"moved": True, "restored": True, "lr": 0.1}] * 2
+
+
 def _refuse_and_wrap(ctx, directory):
     from torchrig_fsdp.checkpoint import FSDPCheckpointError
 

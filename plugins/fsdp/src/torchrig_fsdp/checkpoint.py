@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torchrig.run import RunContext
 from torchrig.types import PreparedModel
 
@@ -55,8 +61,6 @@ def _distributed() -> bool:
 
 
 def _options(**kwargs: Any) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(**kwargs)
 
 
@@ -64,8 +68,6 @@ def full_model_state(run: RunContext, model: torch.nn.Module, *, rank0_only: boo
                      offload_to_cpu: bool = True) -> dict[str, Any]:
     """The unsharded state dict (collective): on rank 0 only (other ranks get ``{}``) unless
     ``rank0_only`` is False; on the CPU unless ``offload_to_cpu`` is False."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     if not _distributed() or run.cluster.world_size <= 1:
         state = model.state_dict()
         return {k: v.detach().cpu() for k, v in state.items()} if offload_to_cpu else state
@@ -81,8 +83,6 @@ def full_model_state(run: RunContext, model: torch.nn.Module, *, rank0_only: boo
 def save_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str, state_dict_type: str) -> list[str]:
     """Write every prepared model's and optimizer's state into ``directory``; returns the paths,
     relative to ``directory``, of the files this rank wrote."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     sharded = state_dict_type != FULL
     written: list[str] = []
     optimizer_index = 0
@@ -180,13 +180,6 @@ def _recording_writer_class() -> type:
 def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> None:
     """Load what :func:`save_state` wrote (either format, at any world size) into the prepared
     models and optimizers. Collective."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     optimizer_index = 0
     for index, item in enumerate(prepared):
         model = item.unwrapped
@@ -210,7 +203,7 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
                 _dcp_load(state, sharded_opt, f"optimizer {optimizer_index}")
                 set_optimizer_state_dict(model, optimizer, state["optimizer"])
             elif os.path.isfile(full_opt):
-                set_optimizer_state_dict(model, optimizer, _read_full(run, full_opt), options=_broadcast_options())
+                _load_full_optimizer(run, model, optimizer, full_opt)
             else:
                 raise FSDPCheckpointError(f"fsdp: {directory} holds no state for optimizer {optimizer_index} "
                                           f"({optimizer_name(optimizer_index, True)}/ or "
@@ -221,6 +214,33 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
 def _broadcast_options() -> Any:
     """Full state dicts are read on rank 0 and broadcast (the others pass ``{}``)."""
     return _options(full_state_dict=True, broadcast_from_rank0=True) if _distributed() else _options(full_state_dict=True)
+
+
+def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, path: str) -> None:
+    """Load a full optimizer state dict into a sharded optimizer.
+
+    torch's ``set_optimizer_state_dict`` cannot distribute a full state to an optimizer that keeps
+    no tensors (SGD without momentum: it fails with "Expected device to be set"). Such an
+    optimizer's whole state is its param groups' hyperparameters, which are restored directly —
+    read on rank 0 and broadcast, as the tensors would be.
+    """
+    full = _read_full(run, path)
+    local = get_optimizer_state_dict(model, optimizer)  # also creates lazily-made state, as loading would
+    keeps_tensors = any(isinstance(value, torch.Tensor) and value.dim() > 0
+                        for per_param in local.get("state", {}).values() for value in per_param.values())
+    if keeps_tensors:
+        set_optimizer_state_dict(model, optimizer, full, options=_broadcast_options())
+        return
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in full.get("param_groups", [])]
+    if _distributed():
+        shared = [groups]
+        dist.broadcast_object_list(shared, src=0)
+        groups = shared[0]
+    if len(groups) != len(optimizer.param_groups):
+        raise FSDPCheckpointError(f"fsdp: {path} holds {len(groups)} parameter groups; the optimizer has "
+                                  f"{len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update(saved)
 
 
 def _read_full(run: RunContext, path: str) -> dict[str, Any]:
