@@ -1,4 +1,5 @@
-"""``torchrig`` console script: subcommands ``plugins``, ``env``, ``config``, ``launch`` and ``new-plugin``, plus the
+"""``torchrig`` console script: subcommands ``plugins``, ``env``, ``config``, ``launch``, ``test`` and ``new-plugin``,
+plus the
 commands installed distributions contribute through the ``torchrig.commands`` entry-point group
 (:mod:`torchrig.cli.commands`; e.g. ``merge-weights`` from torchrig-fsdp).
 
@@ -17,7 +18,7 @@ from torchrig.errors import TorchrigError
 
 EXIT_USAGE = 2
 #: Names a contributed command (``torchrig.commands`` entry point) cannot take.
-BUILTIN_COMMANDS = ("plugins", "config", "launch", "env", "new-plugin")
+BUILTIN_COMMANDS = ("plugins", "config", "launch", "test", "env", "new-plugin")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("config", help="write the machine's default config; `config show` / `config validate`")
     # `launch` too: its flags come from the plugins, and everything after the script is the script's.
     sub.add_parser("launch", help="run a script on N processes (torch elastic); `torchrig launch --help`")
+    # `test` takes the launch flags.
+    sub.add_parser("test", help="a short sanity training with the current configuration: plugins, collectives, "
+                                "training, a checkpoint round trip; `torchrig test --help`")
 
     env = sub.add_parser("env", help="versions, devices and settings to paste into a bug report")
     env.add_argument("--json", action="store_true", help="machine-readable output")
@@ -85,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _guarded("config", lambda: _run_config(argv[1:]))
     if argv[:1] == ["launch"]:
         return _guarded("launch", lambda: _run_launch(argv[1:]))
+    if argv[:1] == ["test"]:
+        return _guarded("test", lambda: _run_test(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
@@ -103,6 +109,12 @@ def _run_launch(argv: list[str]) -> int:
     from torchrig.launch.cli import main as launch_main
 
     return launch_main(argv)
+
+
+def _run_test(argv: list[str]) -> int:
+    from torchrig.cli.sanity import run_test
+
+    return run_test(argv)
 
 
 def _guarded(command: str, run: Callable[[], int]) -> int:
