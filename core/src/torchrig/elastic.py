@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import socket
+import string
 import sys
 import tempfile
 import threading
@@ -59,9 +60,10 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from torchrig.launch import status as _status
 from torchrig.launch import summary as _summary
+from torchrig.launch.tail import LogRelay
 from torchrig.types import LaunchPlan
 
-#: Console prefix of each worker's output lines (elastic's ``log_line_prefix_template``).
+#: Console prefix of each worker's output lines (a ``string.Template`` of ``rank``).
 LOG_LINE_PREFIX = "[rank${rank}]: "
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -172,12 +174,18 @@ class MachineRankRendezvous(RendezvousHandler):
 
 class TorchrigLogsSpecs(LogsSpecs):
     """Per-rank files named by global rank: ``<log_dir>/attempt-K/rank-N.{stdout,stderr}.log``
-    and elastic's error file ``rank-N.error.json``. Tee'd streams are also printed by the
-    launcher with the ``[rankN]: `` prefix (elastic prefixes only tee'd streams)."""
+    and elastic's error file ``rank-N.error.json``. Tee'd streams are printed by the launcher
+    with the ``[rankN]: `` prefix by :meth:`relay` (not by elastic's tailer, which breaks
+    progress bars: :mod:`torchrig.launch.tail`)."""
 
     def __init__(self, log_dir: str, tee: int) -> None:
         super().__init__(log_dir=log_dir, tee=Std(tee))
         self.tee = Std(tee)
+        self._entries: list[tuple[str, str, Any]] = []
+
+    def relay(self) -> LogRelay:
+        """A relay of the files of the attempt :meth:`reify` set up last (not started)."""
+        return LogRelay(self._entries)
 
     @property
     def root_log_dir(self) -> str:
@@ -188,14 +196,17 @@ class TorchrigLogsSpecs(LogsSpecs):
         directory = os.path.join(self.root_log_dir, f"attempt-{attempt}")
         os.makedirs(directory, exist_ok=True)
         dest = LogsDest()
+        self._entries = []
         for local_rank, env in envs.items():
-            stem = os.path.join(directory, f"rank-{env.get('RANK', local_rank)}")
+            rank = env.get("RANK", local_rank)
+            stem = os.path.join(directory, f"rank-{rank}")
+            prefix = string.Template(LOG_LINE_PREFIX).safe_substitute(rank=rank)
             dest.stdouts[local_rank] = f"{stem}.stdout.log" if self.tee & Std.OUT else ""
             dest.stderrs[local_rank] = f"{stem}.stderr.log" if self.tee & Std.ERR else ""
             if self.tee & Std.OUT:
-                dest.tee_stdouts[local_rank] = dest.stdouts[local_rank]
+                self._entries.append((dest.stdouts[local_rank], prefix, sys.stdout))
             if self.tee & Std.ERR:
-                dest.tee_stderrs[local_rank] = dest.stderrs[local_rank]
+                self._entries.append((dest.stderrs[local_rank], prefix, sys.stderr))
             dest.error_files[local_rank] = f"{stem}.error.json"
             env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
             for path in (dest.stdouts[local_rank], dest.stderrs[local_rank], dest.error_files[local_rank]):
@@ -364,10 +375,15 @@ class TorchrigAgent(LocalElasticAgent):
         context, observer, grace = self._pcontext, self.observer, self.grace
         assert context is not None
         original = context.close
+        relay = self._logs_specs.relay().start() if isinstance(self._logs_specs, TorchrigLogsSpecs) else None
 
         def close(death_sig: Any = None, timeout: float = grace) -> None:
             observer.teardown(death_sig)
-            original(death_sig, min(timeout, grace))
+            try:
+                original(death_sig, min(timeout, grace))
+            finally:
+                if relay is not None:
+                    relay.stop()  # after the workers ended: what they wrote last is printed too
 
         context.close = close  # type: ignore[method-assign]
         self.observer.started(attempt, ranks, pids)
@@ -454,7 +470,6 @@ def launch_with_elastic(plan: LaunchPlan) -> int:
         )
         agent = TorchrigAgent(
             spec=spec, logs_specs=TorchrigLogsSpecs(log_dir, plan.tee), start_method="spawn",
-            log_line_prefix_template=LOG_LINE_PREFIX if plan.tee else None,
             shutdown_timeout=max(1, round(plan.shutdown_grace_s)), observer=observer, grace=plan.shutdown_grace_s,
         )
         result = agent.run()
