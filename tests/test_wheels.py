@@ -12,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -27,6 +28,13 @@ def sh(*command: str | os.PathLike, timeout: float = 600, **kwargs) -> subproces
     return result
 
 
+def third_party_requirements() -> list[str]:
+    """The core's dependencies minus first-party wheels, with torch pinned to the local CPU wheel."""
+    declared = tomllib.loads((REPO / "core" / "pyproject.toml").read_text())["project"]["dependencies"]
+    third_party = [r for r in declared if not r.startswith("torchrig")]
+    return ["torch==2.13.0" if r.startswith("torch") else r for r in third_party]
+
+
 @pytest.mark.packaging
 @pytest.mark.timeout(1200)
 def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_path):
@@ -40,9 +48,9 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
 
     # Third-party dependencies come from a local wheelhouse (torch from the machine's local CPU
     # wheel), so the install itself runs with --no-index: only what we built and pinned.
+    # The list is the core's own declared dependencies, so a new one cannot be forgotten here.
     wheelhouse = tmp_path / "wheelhouse"
-    sh(sys.executable, "-m", "pip", "download", "--only-binary=:all:", "-d", wheelhouse,
-       "torch==2.13.0", "pluggy>=1.5", "attrs>=23.1", "pyyaml>=6.0", "safetensors>=0.4")
+    sh(sys.executable, "-m", "pip", "download", "--only-binary=:all:", "-d", wheelhouse, *third_party_requirements())
 
     venv = tmp_path / "venv"
     sh(sys.executable, "-m", "venv", venv)
