@@ -278,7 +278,7 @@ def test_a_tracker_that_raises_on_every_call_does_not_stop_training(tmp_path, ca
     assert improvement > 0  # training went on
     assert report["always_raises"] == {
         "state": "finished", "delivered": 0, "dropped": 51, "failed": 51, "errors": 52, "queue_full": 0,
-        "rejected_steps": 0, "abandoned": 0, "not_started": 0, "unsupported": 0,
+        "rejected_steps": 0, "abandoned": 0, "not_started": 0, "crashed": 0, "unsupported": 0,
         "last_error": "ConnectionError: server unreachable"}
     assert report["jsonl"]["delivered"] == 51 and report["jsonl"]["dropped"] == 0  # the others unaffected
     raised = [r for r in caplog.records if "raised" in r.getMessage()]

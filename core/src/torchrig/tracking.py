@@ -51,7 +51,8 @@ logger = logging.getLogger("torchrig.tracking")
 WARNING_BURST = 3
 WARNING_INTERVAL = 60.0
 #: Why an event did not reach its tracker (the report's counters summed into ``dropped``).
-DROP_REASONS = ("failed", "queue_full", "rejected_steps", "abandoned", "not_started")
+#: ``crashed``: events that were queued, in flight or logged after the tracker's thread died.
+DROP_REASONS = ("failed", "queue_full", "rejected_steps", "abandoned", "not_started", "crashed")
 
 
 class Tracker:
@@ -269,7 +270,7 @@ class _Lane:
         #: delivered: calls that returned; failed: events whose call raised; errors: every exception
         #: (start and finish too); the other keys count events that never reached the tracker.
         self.counts = {"delivered": 0, "failed": 0, "errors": 0, "queue_full": 0, "rejected_steps": 0,
-                       "abandoned": 0, "not_started": 0, "unsupported": 0}
+                       "abandoned": 0, "not_started": 0, "crashed": 0, "unsupported": 0}
         self.last_error: str | None = None
         self.state = "running"
         self.thread = threading.Thread(target=self._work, name=f"torchrig-tracker-{self.name}", daemon=True)
@@ -287,6 +288,9 @@ class _Lane:
                 self.warn(f"does not support {method}(); such calls are skipped for this tracker")
             return False
         with self.cond:
+            if self.state == "crashed":  # its thread is gone: nothing would ever take the event
+                self.counts["crashed"] += 1
+                return False
             if self.closed:
                 return False
             if step is not None and self.tracker.monotonic_steps:
@@ -367,6 +371,31 @@ class _Lane:
     # -- worker thread side ------------------------------------------------------------------
 
     def _work(self) -> None:
+        """The thread's body; whatever ends it early (even ``SystemExit`` raised by a logging
+        handler) is reported, and the events it leaves are counted as dropped."""
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 -- a dead tracker thread must be seen, never silent
+            self._died(exc)
+
+    def _died(self, exc: BaseException) -> None:
+        text = f"its thread died: {_describe(exc)}"
+        with self.cond:
+            if self.abandoned:
+                return
+            in_flight = self.busy_with not in (None, "start", "finish")
+            left = [e for e in self.events if e is not _STOP]
+            self.events.clear()
+            self.counts["crashed"] += len(left) + in_flight
+            self.counts["errors"] += 1
+            self.last_error, self.state, self.closed = text, "crashed", True
+            if not self.started.is_set():
+                self.start_error = text
+        self.started.set()
+        logger.error("tracker %r: %s; %d queued event(s) dropped, later events are dropped too", self.name, text,
+                     len(left) + in_flight)
+
+    def _serve(self) -> None:
         self._call("start", (), {})
         with self.cond:
             if self.counts["errors"]:
@@ -405,8 +434,8 @@ class _Lane:
         try:
             getattr(self.tracker, method)(*args, **kwargs)
             return True
-        except Exception as exc:  # noqa: BLE001 -- a tracker never stops training: counted and reported
-            text = f"{type(exc).__name__}: {exc}"
+        except BaseException as exc:  # noqa: BLE001 -- a tracker never stops training, even by sys.exit()
+            text = _describe(exc)
             with self.cond:
                 if self.abandoned:
                     return False
@@ -420,6 +449,15 @@ class _Lane:
         finally:
             with self.cond:
                 self.busy_since = self.busy_with = None
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message``, also for an exception whose ``__str__`` itself fails."""
+    try:
+        message = str(exc)
+    except BaseException:  # noqa: BLE001
+        message = "<unprintable>"
+    return f"{type(exc).__name__}: {message}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import shutil
 import sys
@@ -113,15 +114,26 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _finite_float(text: str) -> float:
+    """A number of seconds: nan would pass every range check below, inf would wait forever."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
-    value = float(text)
+    value = _finite_float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
     return value
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
+    value = _finite_float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
