@@ -7,6 +7,7 @@ tracked by the process guard) with hard timeouts, as in ``tests/test_launch.py``
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -23,6 +24,7 @@ from torchrig import Accelerator, Tracker
 from torchrig.config.loader import load_file
 from torchrig.config.resolve import ConfigOverrideWarning, encode_launch_overrides, resolve_config
 from torchrig.errors import ConfigError
+from torchrig.launch import summary as launch_summary
 from torchrig.testing import make_host
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
@@ -237,3 +239,57 @@ def test_a_tracker_thread_that_dies_is_reported_as_crashed_and_later_events_are_
     assert row["delivered"] + row["dropped"] == report["jsonl"]["delivered"] == 21, row
     assert row["crashed"] >= 1 and "its thread died: SystemExit: a logging handler exited" in row["last_error"], row
     assert any("tracker 'raises_on_log' crashed" in r.getMessage() for r in caplog.records)
+
+
+# -- 15: a rank that leaves early is the cause, not the rank left waiting -----------------------
+
+
+def _launch(tmp_path: Path, guard, *args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "torchrig", "launch", *args], start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(tmp_path))
+    guard.track(proc)
+    return proc
+
+
+def _track_workers(out: Path, guard) -> None:
+    for ready in out.glob("ready-*"):
+        if ready.read_text():
+            guard.track(int(ready.read_text()))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_a_rank_that_exits_0_while_the_others_wait_is_named_as_the_cause(tmp_path, process_guard):
+    out, log_dir = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    proc = _launch(tmp_path, process_guard, "--num_processes", "2", "--log_dir", str(log_dir),
+                   str(SCRIPTS / "early_exit.py"), str(out))
+    _, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    _track_workers(out, process_guard)
+    assert proc.returncode == 1, err
+    status = json.loads((log_dir / "run_status.json").read_text())
+    assert (status["culprit"], status["reason"]) == (1, "left early"), err
+    assert "torchrig launch: FAILED: rank 1 exited (code 0) while the other ranks still needed it" in err, err
+    assert "rank 0: also failed after losing a peer, waiting for rank 1" in err, err
+    assert "rank 1: left early" in err, err
+
+
+def _record(rank, state, ended_at, error=None, exit_code=1):
+    return {"rank": rank, "state": state, "ended_at": ended_at, "error": error, "traceback": None,
+            "exit_code": exit_code, "signal": None}
+
+
+@pytest.mark.parametrize("error", ["RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:8094",
+                                   "RuntimeError: Timed out waiting 3000ms for recv operation to complete"])
+def test_analysis_names_the_rank_that_finished_before_the_others_failed_waiting(error):
+    records = [_record(0, "failed", 10.5, error), _record(1, "finished", 10.0, exit_code=0),
+               _record(2, "failed", 10.6, error)]
+    verdict = launch_summary.analyze(records)
+    assert (verdict["state"], verdict["culprit"], verdict["reason"]) == ("failed", 1, "left early")
+    text = launch_summary.format_summary(verdict, records)
+    assert text.splitlines()[1] == "  rank 1: left early: exited with code 0 while the other ranks still waited for it"
+    # a rank that finished *after* the failure, or a failure of its own, is not blamed on a finisher
+    late = [_record(0, "failed", 10.5, error), _record(1, "finished", 10.7, exit_code=0)]
+    assert launch_summary.analyze(late)["culprit"] == 0
+    own = [_record(0, "failed", 10.5, "ValueError: bad batch"), _record(1, "finished", 10.0, exit_code=0)]
+    assert launch_summary.analyze(own)["culprit"] == 0
