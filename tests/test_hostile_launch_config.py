@@ -25,6 +25,7 @@ from torchrig.config.loader import load_file
 from torchrig.config.resolve import ConfigOverrideWarning, encode_launch_overrides, resolve_config
 from torchrig.errors import ConfigError
 from torchrig.launch import summary as launch_summary
+from torchrig.testing.processes import leftover_processes
 from torchrig.testing import make_host
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
@@ -293,3 +294,45 @@ def test_analysis_names_the_rank_that_finished_before_the_others_failed_waiting(
     assert launch_summary.analyze(late)["culprit"] == 0
     own = [_record(0, "failed", 10.5, "ValueError: bad batch"), _record(1, "finished", 10.0, exit_code=0)]
     assert launch_summary.analyze(own)["culprit"] == 0
+
+
+# -- 10: nothing a rank started outlives the launcher, not even after kill -9 -------------------
+
+
+def _wait_for(paths: list[Path], proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None or all(p.exists() for p in paths), f"launcher ended early: {proc.communicate()}"
+        assert time.monotonic() < deadline, "workers never became ready"
+        time.sleep(0.05)
+
+
+def _alive_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = leftover_processes(pids, reap=False)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("how", ["kill -9 launcher", "rank returns"])
+def test_processes_a_rank_started_die_with_it_even_when_the_launcher_is_killed(tmp_path, process_guard, how):
+    out = tmp_path / "out"
+    out.mkdir()
+    mode = "sleep" if how == "kill -9 launcher" else "exit"
+    proc = _launch(tmp_path, process_guard, "--num_processes", "2", "--log_dir", str(tmp_path / "logs"),
+                   str(SCRIPTS / "spawn_tree.py"), str(out), mode)
+    _wait_for([out / f"children-{r}" for r in (0, 1)] + [out / f"ready-{r}" for r in (0, 1)], proc)
+    children = [int(p) for r in (0, 1) for p in (out / f"children-{r}").read_text().split()]
+    ranks = [int((out / f"ready-{r}").read_text()) for r in (0, 1)]
+    for pid in children + ranks:
+        process_guard.track(pid)
+    if how == "kill -9 launcher":
+        assert leftover_processes(children, reap=False) == children  # all six are running
+        proc.kill()
+    proc.communicate(timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == (-9 if how == "kill -9 launcher" else 0)
+    assert _alive_within(ranks + children, 10.0) == [], "processes outlived their rank"
