@@ -18,15 +18,13 @@ import warnings
 from pathlib import Path
 
 import pytest
-
-
 from torchrig import Accelerator, Tracker
 from torchrig.config.loader import load_file
 from torchrig.config.resolve import ConfigOverrideWarning, encode_launch_overrides, resolve_config
 from torchrig.errors import ConfigError
 from torchrig.launch import summary as launch_summary
-from torchrig.testing.processes import leftover_processes
 from torchrig.testing import make_host
+from torchrig.testing.processes import leftover_processes
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
 CLI_TIMEOUT = 60  # seconds a CLI call may take before the test gives up (not a measurement)

@@ -86,13 +86,12 @@ def analyze(records: Sequence[Mapping[str, Any]], *, launcher_signal: str | None
             verdict.update(culprit=left["rank"], reason="left early", headline=(
                 f"rank {left['rank']} exited (code 0) while the other ranks still needed it: rank {first['rank']} "
                 f"then failed waiting for it ({_cause(first, limit=200)})"))
-        if is_timeout(first):
-            if stalled:
-                names = _ranks(stalled)
-                verb = "was" if len(stalled) == 1 else "were"
-                verdict.update(culprit=stalled[0], reason="stalled", stalled_ranks=stalled,
-                               headline=(f"{names} stalled: rank {first['rank']} timed out in a collective that "
-                                         f"{names} never reached ({names} {verb} still running elsewhere)"))
+        if stalled:
+            names = _ranks(stalled)
+            verb = "was" if len(stalled) == 1 else "were"
+            verdict.update(culprit=stalled[0], reason="stalled", stalled_ranks=stalled,
+                           headline=(f"{names} stalled: rank {first['rank']} timed out in a collective that "
+                                     f"{names} never reached ({names} {verb} still running elsewhere)"))
     elif launcher_signal:
         state = INTERRUPTED if launcher_signal == "SIGINT" else TERMINATED
         verdict.update(state=state, headline=f"stopped by {launcher_signal}: every rank was told to stop")
