@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -316,11 +317,11 @@ def _alive_within(pids: list[int], seconds: float) -> list[int]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(LAUNCH_TIMEOUT)
-@pytest.mark.parametrize("how", ["kill -9 launcher", "rank returns"])
+@pytest.mark.parametrize("how", ["kill -9 launcher", "SIGTERM launcher", "rank returns"])
 def test_processes_a_rank_started_die_with_it_even_when_the_launcher_is_killed(tmp_path, process_guard, how):
     out = tmp_path / "out"
     out.mkdir()
-    mode = "sleep" if how == "kill -9 launcher" else "exit"
+    mode = "exit" if how == "rank returns" else "sleep"
     proc = _launch(tmp_path, process_guard, "--num_processes", "2", "--log_dir", str(tmp_path / "logs"),
                    str(SCRIPTS / "spawn_tree.py"), str(out), mode)
     _wait_for([out / f"children-{r}" for r in (0, 1)] + [out / f"ready-{r}" for r in (0, 1)], proc)
@@ -328,9 +329,9 @@ def test_processes_a_rank_started_die_with_it_even_when_the_launcher_is_killed(t
     ranks = [int((out / f"ready-{r}").read_text()) for r in (0, 1)]
     for pid in children + ranks:
         process_guard.track(pid)
-    if how == "kill -9 launcher":
+    if how != "rank returns":
         assert leftover_processes(children, reap=False) == children  # all six are running
-        proc.kill()
+        proc.send_signal(signal.SIGKILL if how == "kill -9 launcher" else signal.SIGTERM)
     proc.communicate(timeout=LAUNCH_TIMEOUT)
-    assert proc.returncode == (-9 if how == "kill -9 launcher" else 0)
+    assert proc.returncode == {"kill -9 launcher": -9, "SIGTERM launcher": 143, "rank returns": 0}[how]
     assert _alive_within(ranks + children, 10.0) == [], "processes outlived their rank"
