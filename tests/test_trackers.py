@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torchrig import Accelerator, PluginImportError, Tracker, tracking
+from torchrig import Accelerator, PluginImportError, Tracker, tracker_lane, tracking
 from torchrig.testing.contracts import rank_environment
 
 SCRIPTS = Path(__file__).parent / "tracker_scripts"
@@ -325,7 +325,7 @@ def test_a_blocked_tracker_neither_blocks_nor_stops_training(tmp_path):
 
 def test_warnings_are_rate_limited_with_a_count_of_the_suppressed(caplog):
     now = [0.0]
-    warn = tracking._Warner("flaky", clock=lambda: now[0])
+    warn = tracker_lane._Warner("flaky", clock=lambda: now[0])
     with caplog.at_level(logging.WARNING, logger="torchrig.tracking"):
         for _ in range(10):
             warn("log() raised: TimeoutError")
