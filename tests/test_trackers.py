@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torchrig import Accelerator, PluginImportError, Tracker, tracking
+from torchrig import Accelerator, PluginImportError, Tracker, tracker_lane, tracking
 from torchrig.testing.contracts import rank_environment
 
 SCRIPTS = Path(__file__).parent / "tracker_scripts"
@@ -278,7 +278,7 @@ def test_a_tracker_that_raises_on_every_call_does_not_stop_training(tmp_path, ca
     assert improvement > 0  # training went on
     assert report["always_raises"] == {
         "state": "finished", "delivered": 0, "dropped": 51, "failed": 51, "errors": 52, "queue_full": 0,
-        "rejected_steps": 0, "abandoned": 0, "not_started": 0, "unsupported": 0,
+        "rejected_steps": 0, "abandoned": 0, "not_started": 0, "crashed": 0, "unsupported": 0,
         "last_error": "ConnectionError: server unreachable"}
     assert report["jsonl"]["delivered"] == 51 and report["jsonl"]["dropped"] == 0  # the others unaffected
     raised = [r for r in caplog.records if "raised" in r.getMessage()]
@@ -325,7 +325,7 @@ def test_a_blocked_tracker_neither_blocks_nor_stops_training(tmp_path):
 
 def test_warnings_are_rate_limited_with_a_count_of_the_suppressed(caplog):
     now = [0.0]
-    warn = tracking._Warner("flaky", clock=lambda: now[0])
+    warn = tracker_lane._Warner("flaky", clock=lambda: now[0])
     with caplog.at_level(logging.WARNING, logger="torchrig.tracking"):
         for _ in range(10):
             warn("log() raised: TimeoutError")

@@ -51,7 +51,7 @@ def run_config(argv: Sequence[str], *, stdin: TextIO | None = None, stdout: Text
         _show(config, stdout, as_json=args.json, only_set=args.only_set)
         return 0
     if args.action == "validate":
-        if not os.path.isfile(args.file):
+        if not os.path.lexists(args.file):  # the loader names anything else (a directory, a FIFO, a device)
             raise ConfigError(f"{args.file}: no such file")
         config = resolve_config(host, config_file=args.file, flags=flag_values(args, validate_flags),
                                 default_file=False, warn=False)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -36,7 +37,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from torchrig.errors import ConfigError
 
-__all__ = ["Document", "Mark", "load_file", "load_text", "resolve_extends"]
+__all__ = ["MAX_CONFIG_BYTES", "Document", "Mark", "load_file", "load_text", "resolve_extends"]
 
 Path = tuple[str | int, ...]
 
@@ -47,6 +48,12 @@ _SEQ, _MAP = _YAML + "seq", _YAML + "map"
 _CONSTRUCTED = (_NULL, _BOOL, _INT, _FLOAT, _STR)
 # Read as their source text: configs hold plain data, and safe_load would give a date or fail.
 _AS_TEXT = (_TIMESTAMP, _VALUE, _MERGE)
+
+#: Largest config file read (1 MiB): a config is a page of settings, and a bigger "file" is a
+#: mistake (``/dev/zero``, a log, a checkpoint) that must not be read into memory.
+MAX_CONFIG_BYTES = 1 << 20
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 # How many nodes alias expansion may visit beyond the document's own nodes ("billion laughs").
 _MAX_ALIAS_EXPANSION = 100_000
@@ -147,10 +154,14 @@ def resolve_extends(path: str | os.PathLike) -> list[Document]:
 
 
 def _read_text(file: str) -> str:
-    """The file's text, or a ConfigError saying why it cannot be had."""
+    """The file's text, or a ConfigError saying why it cannot be had.
+
+    Only a regular file of at most :data:`MAX_CONFIG_BYTES` is read. It is opened with
+    ``O_NONBLOCK`` (a FIFO would otherwise block the open until a writer appears) and checked with
+    ``fstat`` on the open descriptor, so what is checked is what is read.
+    """
     try:
-        with open(file, "rb") as f:
-            data = f.read()
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ConfigError(f"{file}: no such file") from None
     except IsADirectoryError:
@@ -163,6 +174,12 @@ def _read_text(file: str) -> str:
         raise ConfigError(f"{file}: cannot read: {e.strerror or e}") from None
     except ValueError as e:  # e.g. an embedded NUL byte in the path
         raise ConfigError(f"{file}: cannot read: {e}") from None
+    try:
+        data = _read_regular(fd, file)
+    except OSError as e:
+        raise ConfigError(f"{file}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise ConfigError(f"{file}: is UTF-16 text; config files must be UTF-8")
     if b"\x00" in data:
@@ -177,6 +194,30 @@ def _read_text(file: str) -> str:
             f"{file}:{line}:{column}: not valid UTF-8 (byte 0x{bad} at offset {e.start}); "
             "config files must be UTF-8 text"
         ) from None
+
+
+def _read_regular(fd: int, file: str) -> bytes:
+    info = os.fstat(fd)
+    if stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"{file}: is a directory, not a config file")
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _KINDS if test(info.st_mode)), "a special file")
+        raise ConfigError(f"{file}: is {kind}, not a regular file; a config file must be a regular YAML/JSON file")
+    too_big = (f"{file}: is {{size}} bytes; config files are limited to {MAX_CONFIG_BYTES} bytes (1 MiB): "
+               "is this really a config file?")
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(too_big.format(size=info.st_size))
+    os.set_blocking(fd, True)
+    chunks, total = [], 0
+    while total <= MAX_CONFIG_BYTES:  # the file may grow while it is read
+        chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - total)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    if total > MAX_CONFIG_BYTES:
+        raise ConfigError(too_big.format(size=f"more than {MAX_CONFIG_BYTES}"))
+    return b"".join(chunks)
 
 
 def _short_tag(tag: str) -> str:

@@ -435,7 +435,7 @@ def resolve_config(
     flag_values = flags if flags is not None else _guarded_flags(problems, environ)
     layers.append(_flag_entries(schema, flag_values, problems))
 
-    winners, override_messages = _merge(layers)
+    winners, override_messages = _merge(schema, layers)
     values = _coerce_all(schema, winners, problems)
     _resolve_plugin_names(schema, values, winners, problems)
     core, sections = _build(schema, values, winners, problems)
@@ -493,7 +493,7 @@ def _defaults(schema: Schema) -> dict[str, Entry]:
     return entries
 
 
-def _merge(layers: list[dict[str, Entry]]) -> tuple[dict[str, Entry], list[tuple[str, str]]]:
+def _merge(schema: Schema, layers: list[dict[str, Entry]]) -> tuple[dict[str, Entry], list[tuple[str, str]]]:
     winners: dict[str, Entry] = {}
     overrides: list[tuple[str, str]] = []
     for layer in layers:
@@ -503,7 +503,7 @@ def _merge(layers: list[dict[str, Entry]]) -> tuple[dict[str, Entry], list[tuple
                 previous is not None
                 and previous.source.layer is Layer.ARGUMENT
                 and entry.source.layer > Layer.ARGUMENT
-                and entry.value != previous.value
+                and not _same_value(schema, key, previous, entry)
             ):
                 overrides.append(
                     (key, f"{key}: the script's {previous.source.detail} = {previous.value!r} is overridden by "
@@ -511,6 +511,27 @@ def _merge(layers: list[dict[str, Entry]]) -> tuple[dict[str, Entry], list[tuple
                 )
             winners[key] = entry
     return winners, overrides
+
+
+def _coerced(schema: Schema, key: str, entry: Entry) -> Any:
+    spec = schema.spec(key)
+    value = spec.info.normalize(entry.value) if spec.info.normalize is not None else entry.value
+    value = coerce(value, spec.type, entry.raw)
+    kind = spec.info.choices_from_kind
+    if kind is not None and isinstance(value, str):  # plugin names and aliases: DDP, MULTI_GPU, ddp
+        value = schema.plugin_lookup(kind).get(value.lower(), value)
+    return value
+
+
+def _same_value(schema: Schema, key: str, a: Entry, b: Entry) -> bool:
+    """Whether two sources give ``key`` the same value *as the run will see it*: ``--cpu`` (the
+    text ``"true"``) and ``Accelerator(cpu=True)`` agree, so neither is an override."""
+    if a.value == b.value:
+        return True
+    try:
+        return bool(_coerced(schema, key, a) == _coerced(schema, key, b))
+    except (CoercionError, TypeError, ValueError):  # a bad value is reported by _coerce_all
+        return False
 
 
 def _coerce_all(schema: Schema, winners: Mapping[str, Entry], problems: list[Problem]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import math
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -92,6 +93,7 @@ def at_least(minimum: float) -> Callable[[Any, attrs.Attribute, Any], None]:
     """Validator; like every torchrig validator it may be called with ``instance=None``."""
 
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        _finite(value, attribute)
         if value is not None and value < minimum:
             raise ValueError(f"must be at least {minimum}, got {value}", attribute)
 
@@ -100,10 +102,17 @@ def at_least(minimum: float) -> Callable[[Any, attrs.Attribute, Any], None]:
 
 def between(low: float, high: float) -> Callable[[Any, attrs.Attribute, Any], None]:
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        _finite(value, attribute)
         if value is not None and not low <= value <= high:
             raise ValueError(f"must be between {low} and {high}, got {value}", attribute)
 
     return check
+
+
+def _finite(value: Any, attribute: attrs.Attribute) -> None:
+    """nan compares false with every bound, so a range check alone would let it through."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a finite number, got {value}", attribute)
 
 
 def class_names(value: Any) -> Any:
@@ -200,16 +209,12 @@ def coerce(value: Any, tp: Any, raw_text: str | None = None) -> Any:
                 pass
         raise CoercionError(f"expected an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, bool):
+        number = _as_float(value)
+        if number is None:
             raise CoercionError(f"expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                pass
-        raise CoercionError(f"expected a number, got {value!r}")
+        if not math.isfinite(number):  # nan passes every comparison; inf overflows int() and timedelta
+            raise CoercionError(f"expected a finite number, got {number!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -242,6 +247,22 @@ def coerce(value: Any, tp: Any, raw_text: str | None = None) -> Any:
     if isinstance(tp, type) and isinstance(value, tp):
         return value
     raise CoercionError(f"expected {_type_name(tp)}, got {value!r}")
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:  # an int too large for a float
+            return math.inf
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """``torchrig launch``: start a script on N processes through torch elastic, and name what failed.
 
 Modules: :mod:`~torchrig.launch.cli` (flags, validation, the plan), :mod:`~torchrig.launch.worker`
-(the per-rank wrapper), :mod:`~torchrig.launch.status` (atomic status files),
+(the per-rank wrapper), :mod:`~torchrig.launch.supervisor` (each rank's process tree dies with it),
+:mod:`~torchrig.launch.status` (atomic status files),
 :mod:`~torchrig.launch.summary` (the culprit and ``run_status.json``),
 :mod:`~torchrig.launch.preflight` (ports and addresses), :mod:`~torchrig.launch.dryrun`.
 The default ``torchrig_launch`` implementation is :mod:`torchrig.elastic`.

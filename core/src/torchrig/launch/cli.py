@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import shutil
 import sys
@@ -42,6 +43,7 @@ from torchrig.config.resolve import (
     resolve_config,
 )
 from torchrig.errors import ConfigError, TorchrigError
+from torchrig.launch.worker import KILL_GRACE_S, STOP_GRACE_S
 from torchrig.plugin_manager import PluginHost
 from torchrig.types import LaunchPlan
 
@@ -113,15 +115,26 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _finite_float(text: str) -> float:
+    """A number of seconds: nan would pass every range check below, inf would wait forever."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
-    value = float(text)
+    value = _finite_float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
     return value
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
+    value = _finite_float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
@@ -212,7 +225,8 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None) -> int:
     log_dir = os.path.abspath(args.log_dir or os.path.join(DEFAULT_LOG_ROOT, _run_name()))
     mode = "exec" if args.no_python else ("module" if args.module else "script")
     worker_command = [sys.executable, "-u", "-m", "torchrig.launch.worker", "--log_dir", log_dir, "--mode", mode,
-                      "--launcher_pid", str(os.getpid()), "--", target or "<script>", *target_args]
+                      "--launcher_pid", str(os.getpid()), *_stop_graces(args.shutdown_grace),
+                      "--", target or "<script>", *target_args]
     plan = LaunchPlan(
         command=worker_command, nproc_per_node=layout.nproc_per_node, num_nodes=layout.num_machines,
         node_rank=layout.machine_rank, rdzv_backend=layout.rdzv_backend, rdzv_endpoint=layout.rdzv_endpoint,
@@ -257,6 +271,15 @@ def run_plan(host: PluginHost, plan: LaunchPlan) -> int:
 
         summarize_from_files(plan, code)
     return code
+
+
+def _stop_graces(shutdown_grace: float) -> list[str]:
+    """The rank's own stop grace, then its supervisor's (which SIGKILLs the rank's whole tree),
+    both within the launcher's ``--shutdown_grace``: a supervisor killed by the launcher first
+    would leave the processes the rank started to live on."""
+    stop = min(STOP_GRACE_S, 0.4 * shutdown_grace)
+    kill = min(KILL_GRACE_S, 0.7 * shutdown_grace)
+    return ["--stop_grace", f"{stop:g}", "--kill_grace", f"{kill:g}"]
 
 
 def _line_buffered() -> None:

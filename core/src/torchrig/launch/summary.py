@@ -11,7 +11,10 @@ exception; the launcher sees a killed process exit through ``waitid``), so:
   failed on its own: a killed rank's exit is seen a few milliseconds late, its peers' errors
   may be stamped earlier, and the death caused them;
 * when the first failure is a collective **timeout**, the rank that was still running outside
-  any collective when the job was torn down is the **stalled** one, and is named instead.
+  any collective when the job was torn down is the **stalled** one, and is named instead;
+* when every failure is a lost peer or a timeout and a rank had **exited with code 0 before**
+  them, that rank **left early** (returned while the others still waited for it in a
+  collective) and is named: its exit, not the errors of the ranks left waiting, is the cause.
 
 Pure functions over plain dicts (the records of :mod:`torchrig.elastic`), torch-free.
 """
@@ -77,14 +80,18 @@ def analyze(records: Sequence[Mapping[str, Any]], *, launcher_signal: str | None
         first = failed[0]
         verdict.update(state=FAILED, culprit=first["rank"], reason="failed first",
                        headline=f"rank {first['rank']} failed first ({_cause(first)})")
-        if is_timeout(first):
-            stalled = sorted(r["rank"] for r in stopped if not in_collective(r))
-            if stalled:
-                names = _ranks(stalled)
-                verb = "was" if len(stalled) == 1 else "were"
-                verdict.update(culprit=stalled[0], reason="stalled", stalled_ranks=stalled,
-                               headline=(f"{names} stalled: rank {first['rank']} timed out in a collective that "
-                                         f"{names} never reached ({names} {verb} still running elsewhere)"))
+        stalled = sorted(r["rank"] for r in stopped if not in_collective(r)) if is_timeout(first) else []
+        left = _left_early(records, first) if not stalled and (lost_peer(first) or is_timeout(first)) else None
+        if left is not None:
+            verdict.update(culprit=left["rank"], reason="left early", headline=(
+                f"rank {left['rank']} exited (code 0) while the other ranks still needed it: rank {first['rank']} "
+                f"then failed waiting for it ({_cause(first, limit=200)})"))
+        if stalled:
+            names = _ranks(stalled)
+            verb = "was" if len(stalled) == 1 else "were"
+            verdict.update(culprit=stalled[0], reason="stalled", stalled_ranks=stalled,
+                           headline=(f"{names} stalled: rank {first['rank']} timed out in a collective that "
+                                     f"{names} never reached ({names} {verb} still running elsewhere)"))
     elif launcher_signal:
         state = INTERRUPTED if launcher_signal == "SIGINT" else TERMINATED
         verdict.update(state=state, headline=f"stopped by {launcher_signal}: every rank was told to stop")
@@ -97,6 +104,12 @@ def analyze(records: Sequence[Mapping[str, Any]], *, launcher_signal: str | None
     if launch_error and (failed or launcher_signal):
         verdict["headline"] += f"; {launch_error}"
     return verdict
+
+
+def _left_early(records: Sequence[Mapping[str, Any]], first_failed: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The first rank that finished (exit code 0) before ``first_failed`` failed, if any."""
+    finished = [r for r in records if r.get("state") == FINISHED and _when(r) <= _when(first_failed)]
+    return min(finished, key=lambda r: (_when(r), r["rank"]), default=None)
 
 
 def _ranks(ranks: Iterable[int]) -> str:
@@ -130,7 +143,8 @@ def format_summary(verdict: Mapping[str, Any], records: Sequence[Mapping[str, An
     lines = [f"torchrig launch: {verdict['state'].upper()}: {verdict['headline']}"]
     by_rank = {r["rank"]: r for r in records}
     first_failed = next((by_rank[r] for r in verdict["failing_ranks"] if r in by_rank), None)
-    order = list(dict.fromkeys([*verdict["stalled_ranks"], *verdict["failing_ranks"], *sorted(by_rank)]))
+    culprit = [verdict["culprit"]] if verdict.get("culprit") in by_rank else []
+    order = list(dict.fromkeys([*culprit, *verdict["stalled_ranks"], *verdict["failing_ranks"], *sorted(by_rank)]))
     for rank in order:
         record = by_rank[rank]
         lines.append("  " + describe_rank(record, verdict, first_failed))
@@ -153,6 +167,13 @@ def describe_rank(record: Mapping[str, Any], verdict: Mapping[str, Any], first_f
     if rank in verdict.get("stalled_ranks", ()):
         where = _where(record)
         return f"{head} STALLED (still running when rank {verdict['failing_ranks'][0]} timed out){where}"
+    if verdict.get("reason") == "left early":
+        culprit = verdict["culprit"]
+        if rank == culprit:
+            return f"{head} left early: exited with code 0 while the other ranks still waited for it"
+        if state == FAILED:
+            why = " after losing a peer" if lost_peer(record) else ""
+            return f"{head} also failed{why}, waiting for rank {culprit} ({_cause(record, limit=200)})"
     if state == FAILED:
         if first_failed is not None and rank == first_failed["rank"]:
             return f"{head} failed first ({_cause(record)})"

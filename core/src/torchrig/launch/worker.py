@@ -4,7 +4,9 @@
 recorded whatever happens to it:
 
 * it dies with the launcher: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` plus a watchdog thread that
-  notices a changed parent pid (torchrun's workers survive a ``kill -9`` of torchrun);
+  notices a changed parent pid (torchrun's workers survive a ``kill -9`` of torchrun), and so do
+  the processes it starts: the rank runs under a subreaper that ends its whole process tree
+  (:mod:`torchrig.launch.supervisor`);
 * it runs the script in this interpreter with :mod:`runpy` (``run_path`` as ``__main__`` or
   ``run_module``) and the script's own ``sys.argv``, so tracebacks and ``sys.exit`` codes are
   seen here, not guessed from an exit status;
@@ -40,10 +42,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchrig.launch import status as _status
+from torchrig.launch.supervisor import supervise
 
 #: Seconds a rank gets to stop on its own after SIGTERM/SIGINT before it is ended from the
 #: watchdog thread (it is then stuck in native code). Below the launcher's SIGKILL grace.
 STOP_GRACE_S = 3.0
+#: Seconds after a stop signal before the supervisor SIGKILLs the rank's whole tree: after the
+#: rank's own grace, before the launcher's SIGKILL (default grace 10 s).
+KILL_GRACE_S = STOP_GRACE_S + 2.0
 _PR_SET_PDEATHSIG = 1
 _MODES = ("script", "module", "exec")
 
@@ -87,7 +93,8 @@ def _alive(pid: int) -> bool:
 
 
 def _parse(argv: Sequence[str]) -> tuple[dict[str, str], str, str, list[str]]:
-    """``--log_dir D --mode M [--launcher_pid P] [--stop_grace S] -- TARGET ARGS...``; kept dumb and fast."""
+    """``--log_dir D --mode M [--launcher_pid P] [--stop_grace S] [--kill_grace S] [--supervise 0|1] -- TARGET
+    ARGS...``; kept dumb and fast."""
     argv = list(argv)
     if "--" not in argv:
         raise SystemExit("usage: python -m torchrig.launch.worker --log_dir DIR --mode script|module|exec "
@@ -365,10 +372,14 @@ def _wait(child: subprocess.Popen[bytes], grace: float) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts, mode, target, args = _parse(sys.argv[1:] if argv is None else argv)
-    set_parent_death_signal()
     launcher = int(opts.get("launcher_pid") or 0)
     if launcher and os.getppid() != launcher and not _alive(launcher):
         return 128 + signal.SIGKILL  # the launcher died before we could ask to die with it
+    if opts.get("supervise", "1") != "0":
+        supervise(float(opts.get("kill_grace", KILL_GRACE_S)))  # returns in the rank; the supervisor never returns
+    set_parent_death_signal()
+    if launcher and not _alive(launcher):
+        return 128 + signal.SIGKILL
     rank = _env_int("RANK", 0)
     log_dir = opts.get("log_dir") or os.getcwd()
     status = _status.RankStatus(
