@@ -187,7 +187,7 @@ def test_under_launch_every_rank_commits_the_last_async_save_at_exit(tmp_path, p
     names = {entry["path"] for entry in layout.read_manifest(str(directory))["files"]}
     assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors"} <= names
     for rank in (0, 1):
-        status = json.loads(next(logs.glob(f"*/rank-{rank}.status.json")).read_text())
+        status = json.loads((logs / f"rank-{rank}.status.json").read_text())
         assert status["state"] == "finished" and status["last_checkpoint"] == str(directory)
 
 
@@ -199,7 +199,7 @@ def test_under_launch_a_rank_whose_last_async_save_failed_is_not_reported_finish
     assert code != 0, out
     assert "FAILED" in out and "checkpoint_0" in out, out
     for rank in (0, 1):  # the save fails on every rank: the outcome is agreed
-        status = json.loads(next(logs.glob(f"*/rank-{rank}.status.json")).read_text())
+        status = json.loads((logs / f"rank-{rank}.status.json").read_text())
         assert status["state"] == "failed" and status["exit_code"] != 0, status
         assert "checkpoint_0" in status["error"], status
     assert os.listdir(tmp_path / "p" / "checkpoints") == []
@@ -343,7 +343,7 @@ def test_state_that_could_not_be_loaded_back_is_refused_at_save(tmp_path, where,
     if where == "optimizer":
         first = next(iter(optimizer.optimizer.state.values()))
         first["step_info"] = value
-        expected = r"optimizer 0: state\[.*\]\['step_info'\]"
+        expected = r"optimizer 0: \['state'\]\[\d+\]\['step_info'\]"
     else:
         scheduler.scheduler.best_metric = value
         expected = r"scheduler 0: \['best_metric'\]"
