@@ -151,6 +151,7 @@ def save_plain_state(run: RunContext, prepared: Sequence[PreparedModel], writer:
             written.append(writer.save_tensors(tensors, numbered("model", index, ".safetensors"),
                                                metadata={ALIASES_KEY: json.dumps(aliases)} if aliases else None))
         else:
+            check_loadable(state, f"model {index}")
             written.append(writer.save_torch(state, numbered("pytorch_model", index, ".bin")))
         first = sum(len(other.optimizers) for other in prepared[:index])
         for offset, (optimizer, stem) in enumerate(zip(item.optimizers, _optimizer_names(index, prepared))):
