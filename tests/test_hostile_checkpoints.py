@@ -184,7 +184,9 @@ def test_under_launch_every_rank_commits_the_last_async_save_at_exit(tmp_path, p
                             log_dir=logs)
     assert code == 0, out
     directory = tmp_path / "p" / "checkpoints" / "checkpoint_0"
-    names = {entry["path"] for entry in layout.read_manifest(str(directory))["files"]}
+    manifest = layout.read_manifest(str(directory))
+    assert manifest is not None, f"the last save was lost: {out}"
+    names = {entry["path"] for entry in manifest["files"]}
     assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors"} <= names
     for rank in (0, 1):
         status = json.loads((logs / f"rank-{rank}.status.json").read_text())
@@ -222,6 +224,13 @@ def test_a_reader_never_destroys_a_save_in_progress(tmp_path, process_guard, tot
         assert writer.poll() is None, writer.communicate()[0]
         assert time.monotonic() < deadline, "the writer never reached its pause"
         time.sleep(0.05)
+    try:
+        _read_and_write_beside_the_paused_writer(project, writer, total_limit)
+    finally:
+        (project / "go").touch()  # never leave the writer waiting, whatever failed
+
+
+def _read_and_write_beside_the_paused_writer(project: Path, writer: subprocess.Popen, total_limit) -> None:
     temporary = Path((project / "paused").read_text())
     assert temporary.is_dir()
 

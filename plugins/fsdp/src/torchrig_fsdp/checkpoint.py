@@ -98,8 +98,9 @@ def save_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
         for optimizer in item.optimizers:
             name = optimizer_name(optimizer_index, sharded)
             if sharded:
-                written += _dcp_save({"optimizer": get_optimizer_state_dict(model, optimizer)}, directory, name,
-                                     f"optimizer {optimizer_index}")
+                state = get_optimizer_state_dict(model, optimizer)
+                check_loadable(state, f"optimizer {optimizer_index}")  # DCP pickles non-tensor values
+                written += _dcp_save({"optimizer": state}, directory, name, f"optimizer {optimizer_index}")
             else:
                 options = _options(full_state_dict=True, cpu_offload=True) if _distributed() else None
                 state = get_optimizer_state_dict(model, optimizer, options=options)
