@@ -274,6 +274,26 @@ def test_loading_and_saving_leave_look_alike_directories_alone(tmp_path):
         assert (path / "keep.txt").read_text() == "not torchrig's"
 
 
+def test_a_leftover_is_reclaimed_only_once_its_owner_is_provably_gone(tmp_path, process_guard):
+    from torchrig.checkpoint import temporaries
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    process_guard.track(owner)
+    leftover = tmp_path / ".checkpoint_3.tmp-abc123"
+    leftover.mkdir()
+    start = temporaries.process_start_time(owner.pid)
+    try:
+        temporaries.write_owner(str(leftover), {**temporaries.owner_record(), "pid": owner.pid, "start_time": start})
+        assert layout.remove_leftovers(str(tmp_path)) == [] and leftover.is_dir(), "its writer is alive"
+        temporaries.write_owner(str(leftover), {**temporaries.owner_record(), "pid": owner.pid,
+                                                "start_time": (start or 0) + 1})  # the pid now names another process
+        assert layout.remove_leftovers(str(tmp_path)) == [str(leftover)]
+        assert os.listdir(tmp_path) == [], "the owner record goes with its directory"
+    finally:
+        owner.kill()
+        owner.wait(timeout=RUN_TIMEOUT)
+
+
 def test_a_file_that_vanished_before_the_commit_fails_the_save(tmp_path, monkeypatch):
     from torchrig.checkpoint import faults
 

@@ -1,9 +1,10 @@
 """Where checkpoints live on disk, and how one is recognised as committed.
 
 A checkpoint is a directory holding a manifest (:data:`MANIFEST_NAME`, see :mod:`manifest`). It
-is written as a hidden sibling ``.<name>.tmp-<token>`` (owned, see :mod:`temporaries`) and renamed into place by rank 0 once every rank's files
-are on disk: **the rename is the commit point**. A directory without a manifest, or with
-``.tmp-`` in its name, was never committed and is never loaded. ``latest`` (a one-line text
+is written as a hidden sibling ``.<name>.tmp-<token>`` (owned, see :mod:`temporaries`) and
+renamed into place by rank 0 once every rank's files are on disk: **the rename is the commit
+point**. A directory without a valid manifest, or with ``.tmp-`` in its name, was never
+committed (or is damaged) and is never loaded. ``latest`` (a one-line text
 file in the checkpoints root) names the newest committed checkpoint for people and tools;
 loading does not need it — it picks the committed checkpoint with the highest ``sequence``, so
 a kill between the rename and the ``latest`` update loses nothing.

@@ -12,9 +12,10 @@ Save (every rank, collectively):
    positions, plugin state (``torchrig_checkpoint_state``), custom objects and per-rank RNG;
 3. every rank sends rank 0 its file list, or its error; one failed rank fails the save on all
    ranks, the temporary directory is removed and the previous checkpoint stays the latest;
-4. rank 0 checks every file on disk against the reports, writes the manifest, renames the directory into place (the commit point; an
-   overwrite is an atomic directory exchange), fsyncs the parent, updates ``latest`` and only
-   then deletes checkpoints beyond ``total_limit``; the outcome is broadcast.
+4. rank 0 checks every file on disk against the reports, writes the manifest, renames the
+   directory into place (the commit point; an overwrite is an atomic directory exchange), fsyncs
+   the parent, updates ``latest`` and only then deletes automatically named checkpoints beyond
+   ``total_limit``; the outcome is broadcast.
 
 With ``async_save`` step 2 only copies the state to CPU memory; the files, the agreement and the
 commit run on a background thread over a dedicated gloo group, so training never waits on the

@@ -157,4 +157,5 @@ def diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
 
 
 __all__ = ["FINGERPRINT_SECTIONS", "NON_FINGERPRINT_KEYS", "NON_FINGERPRINT_SECTIONS", "capture_rng",
-           "comparable_data_order", "describe_dataloader", "diff", "digest", "fingerprint_config", "reseed_rng", "restore_rng"]
+           "comparable_data_order", "describe_dataloader", "diff", "digest", "fingerprint_config", "reseed_rng",
+           "restore_rng"]

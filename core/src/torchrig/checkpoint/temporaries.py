@@ -53,7 +53,7 @@ def _boot_id() -> str | None:
         return None
 
 
-def _start_time(pid: int) -> int | None:
+def process_start_time(pid: int) -> int | None:
     """The pid's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -70,7 +70,7 @@ def owner_record() -> dict[str, Any]:
     """This process, as the owner of a hidden directory."""
     pid = os.getpid()
     run_id = next((os.environ[name] for name in _RUN_ID_VARIABLES if os.environ.get(name)), None)
-    return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": pid, "start_time": _start_time(pid),
+    return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": pid, "start_time": process_start_time(pid),
             "run_id": run_id}
 
 
@@ -122,12 +122,12 @@ def owner_is_dead(directory: str) -> bool:
     boot = _boot_id()
     if boot is not None and record.get("boot_id") not in (None, boot):
         return True
-    if pid == os.getpid() and start == _start_time(pid):
+    if pid == os.getpid() and start == process_start_time(pid):
         with _ACTIVE_LOCK:
             return os.path.normpath(directory) not in _ACTIVE
     if not _alive(pid):
         return True
-    return start is not None and _start_time(pid) not in (None, start)
+    return start is not None and process_start_time(pid) not in (None, start)
 
 
 def sibling(target: str, kind: str) -> str:
@@ -212,5 +212,5 @@ def reclaim(root: str, is_committed: Any) -> list[str]:
     return removed
 
 
-__all__ = ["HIDDEN", "OWNER_SUFFIX", "claim", "hidden_directories", "owner_is_dead", "owner_record", "read_owner",
-           "reclaim", "release", "remove", "sibling", "write_owner"]
+__all__ = ["HIDDEN", "OWNER_SUFFIX", "claim", "hidden_directories", "owner_is_dead", "owner_record",
+           "process_start_time", "read_owner", "reclaim", "release", "remove", "sibling", "write_owner"]

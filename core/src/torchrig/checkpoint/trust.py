@@ -86,8 +86,8 @@ def load_pickled(path: str, what: str, *, allow_pickle: bool = False, map_locati
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         detail = str(exc).strip().splitlines()
-        reason = next((line.strip() for line in detail if "GLOBAL" in line or "Unsupported" in line), detail[0] if detail
-                      else type(exc).__name__)
+        fallback = detail[0] if detail else type(exc).__name__
+        reason = next((line.strip() for line in detail if "GLOBAL" in line or "Unsupported" in line), fallback)
         raise CheckpointError(f"{path} ({what}) holds objects that the safe loader refuses ({reason}); "
                               f"{PICKLE_OPT_IN}") from exc
 
