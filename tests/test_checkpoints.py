@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from torchrig import Accelerator
-from torchrig.checkpoint import MANIFEST_NAME, CheckpointError, layout
+from torchrig.checkpoint import MANIFEST_NAME, CheckpointError, layout, temporaries
 from torchrig.checkpoint.faults import FAULT_ENV, PHASES
 from torchrig.config.options import ProjectConfiguration
 from torchrig.testing.contracts import rank_environment
@@ -119,7 +119,7 @@ def test_every_piece_of_state_round_trips_bit_equal(tmp_path):
     assert manifest["world_size"] == 1 and manifest["strategy"] == "single"
     names = {entry["path"] for entry in manifest["files"]}
     assert names == {"model.safetensors", "optimizer.safetensors", "scheduler.bin", "dl_state_dict.bin",
-                     "custom_checkpoint_0.pkl", "random_states_0.pkl"}
+                     "custom_checkpoint_0.safetensors", "random_states_0.pkl"}
     for entry in manifest["files"]:
         assert entry["size"] == os.path.getsize(os.path.join(directory, entry["path"]))
 
@@ -176,17 +176,29 @@ def test_asking_to_resume_without_a_checkpoint_is_an_error_never_a_fresh_start(t
         plain.save_state()
 
 
+def _owned_by_a_dead_process(directory: Path) -> None:
+    """Give ``directory`` the owner record of a process that has exited (a killed writer)."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           check=True, timeout=60)
+    temporaries.write_owner(str(directory), {**temporaries.owner_record(), "pid": int(child.stdout),
+                                             "start_time": None})
+
+
 def test_leftovers_of_interrupted_saves_are_ignored_then_cleaned(tmp_path):
     accelerator, *_ = make_run(tmp_path, automatic_checkpoint_naming=True)
     first = accelerator.save_state()
     root = tmp_path / "checkpoints"
-    stale = root / ".checkpoint_1.tmp-abc123"
-    stale.mkdir()
-    (stale / "model.safetensors").write_bytes(b"x")
-    (stale / MANIFEST_NAME).write_text(json.dumps({"format": layout.FORMAT, "sequence": 99}))  # manifest, no rename
+    stale, elsewhere = root / ".checkpoint_1.tmp-abc123", root / ".checkpoint_2.tmp-abc456"
+    for directory in (stale, elsewhere):
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(b"x")
+        (directory / MANIFEST_NAME).write_text(json.dumps({"format": layout.FORMAT, "sequence": 99}))  # no rename
+    _owned_by_a_dead_process(stale)
+    temporaries.write_owner(str(elsewhere), {**temporaries.owner_record(), "host": "another-node"})
     assert accelerator.latest_checkpoint() == first
     assert accelerator.load_state() == first
-    assert not stale.exists()
+    assert not stale.exists() and not os.path.exists(f"{stale}{temporaries.OWNER_SUFFIX}")
+    assert elsewhere.exists(), "a writer on another host may be alive: its directory is never removed from here"
 
 
 def test_existing_checkpoint_is_refused_unless_overwrite_which_is_atomic(tmp_path, monkeypatch):
@@ -215,6 +227,8 @@ def test_interrupted_overwrite_without_exchange_recovers_the_old_checkpoint(tmp_
     accelerator.save_state(target)
     aside = layout.temporary_sibling(str(target), "replaced")
     os.rename(target, aside)  # killed between the two renames of an overwrite
+    assert layout.remove_leftovers(str(tmp_path)) == [] and os.path.exists(aside), "no owner record: not ours"
+    _owned_by_a_dead_process(Path(aside))
     assert layout.remove_leftovers(str(tmp_path)) == []
     assert layout.is_committed(str(target))
 

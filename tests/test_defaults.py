@@ -57,7 +57,7 @@ def test_plain_state_round_trips_through_a_directory(single_run, tmp_path):
     other(torch.randn(4, 3)).sum().backward()
     other_optimizer.step()
     target = [PreparedModel(model=other, unwrapped=other, optimizers=[other_optimizer])]
-    assert host.hook.torchrig_load_strategy_state(run=run, prepared=target, directory=str(tmp_path), manifest={}) is True
+    assert host.hook.torchrig_load_strategy_state(run=run, prepared=target, directory=str(tmp_path), manifest={}, allow_pickle=False) is True
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)
     assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], other_optimizer.state_dict()["state"][0]["exp_avg"])

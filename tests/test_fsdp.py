@@ -479,7 +479,7 @@ def _load(ctx, directory, state_dict_type="SHARDED_STATE_DICT"):
         accelerator = accelerator_for(strategy="fsdp", fsdp_plugin=fsdp(state_dict_type=state_dict_type))
         model, optimizer = _trained(accelerator, steps=0)
         accelerator._host.hook.torchrig_load_strategy_state(run=accelerator._run, prepared=accelerator._models,
-                                                            directory=directory, manifest={})
+                                                            directory=directory, manifest={}, allow_pickle=False)
         return {"params": flat(model), "optimizer": _optimizer_state(model, optimizer)}
 
 
@@ -567,7 +567,7 @@ def _refuse_and_wrap(ctx, directory):
         messages = []
         for call in (lambda: hook.torchrig_save_strategy_state(run=run, prepared=prepared, directory=directory, writer=None),
                      lambda: hook.torchrig_load_strategy_state(run=run, prepared=prepared, directory=directory,
-                                                               manifest={})):
+                                                               manifest={}, allow_pickle=False)):
             try:
                 call()
             except FSDPCheckpointError as exc:  # an Exception, not DCP's BaseException

@@ -632,19 +632,25 @@ class Accelerator(ProcessControl):
                                       hashes=hashes)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, *, allow_config_change: bool = False,
-                   allow_world_size_change: bool = False, verify_hashes: bool = False, **_accelerate: Any) -> str:
+                   allow_world_size_change: bool = False, verify_hashes: bool = False, allow_pickle: bool = False,
+                   skip_damaged: bool = False, **_accelerate: Any) -> str:
         """Load a committed checkpoint — by default the project's newest — into everything
         prepared and registered; returns its directory. Never starts fresh silently: no
-        checkpoint, a damaged one, or a changed configuration or world size is an error."""
+        checkpoint, a damaged one, or a changed configuration or world size is an error.
+        ``skip_damaged`` resumes from the newest intact checkpoint past damaged newer ones;
+        ``allow_pickle`` unpickles files the safe loader refuses — it can run code from the
+        checkpoint, so only for checkpoints you trust (docs/checkpoints.md, trust model)."""
         if _accelerate:  # Accelerate's load_model_func_kwargs go to its own model loader
             raise TypeError(f"load_state(): unsupported arguments {sorted(_accelerate)}")
         return self._checkpoints.load(input_dir, allow_config_change=allow_config_change,
-                                      allow_world_size_change=allow_world_size_change, verify_hashes=verify_hashes)
+                                      allow_world_size_change=allow_world_size_change, verify_hashes=verify_hashes,
+                                      allow_pickle=allow_pickle, skip_damaged=skip_damaged)
 
-    def latest_checkpoint(self, root: str | os.PathLike | None = None) -> str | None:
+    def latest_checkpoint(self, root: str | os.PathLike | None = None, *, skip_damaged: bool = False) -> str | None:
         """The newest committed checkpoint (default: under ``<project_dir>/checkpoints``), or
-        None — to resume when there is one and start fresh otherwise."""
-        return self._checkpoints.latest(root)
+        None — to resume when there is one and start fresh otherwise. A damaged newer one is an
+        error naming it unless ``skip_damaged``."""
+        return self._checkpoints.latest(root, skip_damaged=skip_damaged)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and load these objects (each with ``state_dict``/``load_state_dict``) with every checkpoint."""

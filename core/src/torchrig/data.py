@@ -581,11 +581,15 @@ class PreparedDataLoader:
         self._layout = _Layout(world, rank, per_rank, split_batches, even_batches and world > 1, drop_last)
 
         # Seed: config > the user's generator > one draw from the global RNG (module docstring).
+        #: Where the seed came from: "config" (data_seed), "generator" (the user's) or "global_rng" (drawn).
+        self.seed_source = "config"
         if seed is None:
             user_generator = dataloader.generator or getattr(sampler, "generator", None)
             if user_generator is not None:
                 seed = int(user_generator.initial_seed())
+                self.seed_source = "generator"
             else:
+                self.seed_source = "global_rng"
                 # Broadcast even when world == 1: ranks outside data parallelism (tensor/pipeline
                 # parallel peers) read the same data and must shuffle it the same way.
                 seed = derive_seed(collectives)

@@ -345,13 +345,16 @@ def torchrig_save_strategy_state(
 
 @hookspec(firstresult=True)
 def torchrig_load_strategy_state(
-    run: RunContext, prepared: Sequence[PreparedModel], directory: str, manifest: Mapping[str, Any]
+    run: RunContext, prepared: Sequence[PreparedModel], directory: str, manifest: Mapping[str, Any],
+    allow_pickle: bool,
 ) -> bool | None:
     """Load what :func:`torchrig_save_strategy_state` wrote into the prepared objects.
 
     ``manifest`` is the checkpoint's verified manifest (``world_size`` at save, ``strategy``,
     ``files``): a strategy that cannot load at another world size says so here, naming the
-    conversion to use.
+    conversion to use. Unless ``allow_pickle``, nothing may be unpickled beyond what
+    ``torch.load(weights_only=True)`` accepts: a file that needs more is refused with an error
+    naming it and ``load_state(..., allow_pickle=True)`` (the checkpoint may be untrusted).
 
     - phase: ``load_state``, after the core verified the checkpoint's manifest.
     - ranks: every worker, collectively. kind: firstresult.

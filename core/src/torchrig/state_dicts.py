@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchrig.checkpoint.layout import numbered
+from torchrig.checkpoint.trust import check_loadable
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.checkpoint.files import CheckpointWriter
@@ -96,15 +97,18 @@ def decode_structure(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 _STRUCTURE_KEY = "torchrig_structure"
 
 
-def save_structured(writer: CheckpointWriter, state: Any, stem: str, fault_phase: str | None = None) -> str:
+def save_structured(writer: CheckpointWriter, state: Any, stem: str, fault_phase: str | None = None, *,
+                    what: str | None = None, suffix: str = ".bin") -> str:
     """A nested state (an optimizer's) as safetensors plus its JSON skeleton in the metadata —
-    as fast to write and read as plain weights, and no pickle; ``torch.save`` when it holds
-    anything else."""
+    as fast to write and read as plain weights, and no pickle; ``torch.save`` (``stem + suffix``)
+    when it holds anything else, after checking ``torch.load(weights_only=True)`` reads it back
+    (``what`` names the object in the error)."""
     tensors: dict[str, torch.Tensor] = {}
     try:
         skeleton = encode_structure(state, tensors)
     except _NotPlain:
-        return writer.save_torch(state, f"{stem}.bin", fault_phase=fault_phase)
+        check_loadable(state, what or stem)
+        return writer.save_torch(state, f"{stem}{suffix}", fault_phase=fault_phase)
     kept, aliases = split_aliases(tensors)
     metadata = {_STRUCTURE_KEY: json.dumps(skeleton)}
     if aliases:
@@ -147,9 +151,12 @@ def save_plain_state(run: RunContext, prepared: Sequence[PreparedModel], writer:
             written.append(writer.save_tensors(tensors, numbered("model", index, ".safetensors"),
                                                metadata={ALIASES_KEY: json.dumps(aliases)} if aliases else None))
         else:
+            check_loadable(state, f"model {index}")
             written.append(writer.save_torch(state, numbered("pytorch_model", index, ".bin")))
-        for optimizer, stem in zip(item.optimizers, _optimizer_names(index, prepared)):
-            written.append(save_structured(writer, optimizer.state_dict(), stem, fault_phase="mid_optimizer"))
+        first = sum(len(other.optimizers) for other in prepared[:index])
+        for offset, (optimizer, stem) in enumerate(zip(item.optimizers, _optimizer_names(index, prepared))):
+            written.append(save_structured(writer, optimizer.state_dict(), stem, fault_phase="mid_optimizer",
+                                           what=f"optimizer {first + offset}"))
     return written
 
 

@@ -1,9 +1,15 @@
 """Checkpoints that survive ``kill -9``: the commit protocol, what is saved, and weights export.
 
 * :mod:`~torchrig.checkpoint.files` — durable files and the writer strategies write through;
-* :mod:`~torchrig.checkpoint.layout` — temporary siblings, manifests, ``latest``, rotation;
+* :mod:`~torchrig.checkpoint.layout` — committed and damaged checkpoints, ``latest``, rotation;
+* :mod:`~torchrig.checkpoint.manifest` — manifests: validated fields, confined files, verification;
+* :mod:`~torchrig.checkpoint.temporaries` — hidden working directories, owned and reclaimed only
+  from dead writers;
+* :mod:`~torchrig.checkpoint.trust` — loading without unpickling code, saving only what loads;
 * :mod:`~torchrig.checkpoint.state` — RNG and the run fingerprint;
-* :mod:`~torchrig.checkpoint.manager` — ``save_state`` / ``load_state`` (sync and async);
+* :mod:`~torchrig.checkpoint.manager` — ``save_state`` (sync and async);
+* :mod:`~torchrig.checkpoint.loading` — ``load_state``;
+* :mod:`~torchrig.checkpoint.pending` — asynchronous saves still running when the script ends;
 * :mod:`~torchrig.checkpoint.export` — ``save_model`` and ``save``;
 * :mod:`~torchrig.checkpoint.faults` — named kill points for tests.
 

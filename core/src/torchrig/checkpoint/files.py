@@ -270,18 +270,39 @@ class CheckpointWriter:
                 self.record(name)
         with self._lock:
             unsynced, self._unsynced = self._unsynced, []
-        if len(unsynced) > 1:  # concurrent fsyncs share the filesystem's journal commits
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(max_workers=min(8, len(unsynced))) as pool:
-                outcomes = list(pool.map(_fsync_outcome, unsynced))
-        else:
-            outcomes = [_fsync_outcome(path) for path in unsynced]
+        outcomes = _fsync_all(unsynced)
         for path, exc in zip(unsynced, outcomes):
             if exc is not None:  # a delayed write error (e.g. the disk filled up) surfaces here
                 raise CheckpointError(describe_os_error(exc, path)) from exc
         with self._lock:
             return sorted(self._records.values(), key=lambda r: r.path)
+
+
+def _fsync_all(paths: list[str]) -> list[OSError | None]:
+    """fsync ``paths`` concurrently (concurrent fsyncs share the filesystem's journal commits).
+    Plain threads, not an executor: ``concurrent.futures`` refuses new work once the interpreter
+    is shutting down, which is when the last asynchronous save of a script finishes."""
+    outcomes: list[OSError | None] = [None] * len(paths)
+    if len(paths) <= 1:
+        return [_fsync_outcome(path) for path in paths]
+    lanes = min(8, len(paths))
+
+    def lane(start: int) -> None:
+        for index in range(start, len(paths), lanes):
+            outcomes[index] = _fsync_outcome(paths[index])
+
+    threads = [threading.Thread(target=lane, args=(i,), name="torchrig-fsync", daemon=True) for i in range(lanes)]
+    started = []
+    try:
+        for thread in threads:
+            thread.start()
+            started.append(thread)
+    except RuntimeError:  # no new threads at this point of interpreter shutdown: the rest one by one
+        for index in range(len(started), lanes):
+            lane(index)
+    for thread in started:
+        thread.join()
+    return outcomes
 
 
 def _fsync_outcome(path: str) -> OSError | None:

@@ -1,9 +1,10 @@
 """Where checkpoints live on disk, and how one is recognised as committed.
 
-A checkpoint is a directory holding a manifest (:data:`MANIFEST_NAME`). It is written as a
-hidden sibling ``.<name>.tmp-<token>`` and renamed into place by rank 0 once every rank's files
-are on disk: **the rename is the commit point**. A directory without a manifest, or with
-``.tmp-`` in its name, was never committed and is never loaded. ``latest`` (a one-line text
+A checkpoint is a directory holding a manifest (:data:`MANIFEST_NAME`, see :mod:`manifest`). It
+is written as a hidden sibling ``.<name>.tmp-<token>`` (owned, see :mod:`temporaries`) and
+renamed into place by rank 0 once every rank's files are on disk: **the rename is the commit
+point**. A directory without a valid manifest, or with ``.tmp-`` in its name, was never
+committed (or is damaged) and is never loaded. ``latest`` (a one-line text
 file in the checkpoints root) names the newest committed checkpoint for people and tools;
 loading does not need it — it picks the committed checkpoint with the highest ``sequence``, so
 a kill between the rename and the ``latest`` update loses nothing.
@@ -14,22 +15,31 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import json
 import os
 import re
 import secrets
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
-from torchrig.checkpoint.files import CheckpointError, FileRecord, fsync_path, hash_file
+from torchrig.checkpoint import temporaries
+from torchrig.checkpoint.files import CheckpointError, fsync_path
+from torchrig.checkpoint.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    ManifestProblem,
+    check_file,
+    has_manifest_file,
+    load_manifest,
+    read_manifest,
+    unlisted_files,
+    verify,
+    write_manifest,
+)
 
-MANIFEST_NAME = "torchrig_checkpoint.json"
-FORMAT = "torchrig-checkpoint"
-FORMAT_VERSION = 1
 LATEST_NAME = "latest"
 AUTOMATIC_PREFIX = "checkpoint_"
-_HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|deleting|replaced)-(?P<token>[0-9a-f]+)$")
+_AUTOMATIC = re.compile(rf"^{AUTOMATIC_PREFIX}(\d+)$")
 
 
 def numbered(stem: str, index: int, suffix: str) -> str:
@@ -37,84 +47,95 @@ def numbered(stem: str, index: int, suffix: str) -> str:
     return f"{stem}{'' if index == 0 else f'_{index}'}{suffix}"
 
 
-def temporary_sibling(target: str, kind: str = "tmp", token: str | None = None) -> str:
-    parent, name = os.path.split(os.path.abspath(target))
-    return os.path.join(parent, f".{name}.{kind}-{token or secrets.token_hex(6)}")
+def temporary_sibling(target: str, kind: str = "tmp") -> str:
+    """A hidden sibling path of ``target`` (``.<name>.<kind>-<token>``), not yet owned by anyone."""
+    return temporaries.sibling(target, kind)
 
 
-def read_manifest(directory: str) -> dict[str, Any] | None:
-    """The manifest of a committed checkpoint, or None (no manifest, unreadable, not ours)."""
+def automatic_number(name: str) -> int | None:
+    """``n`` of an automatically named checkpoint ``checkpoint_<n>``, else None."""
+    match = _AUTOMATIC.match(name)
+    return int(match[1]) if match else None
+
+
+def is_committed(directory: str, *, hidden: bool = False) -> bool:
+    """Whether ``directory`` holds a valid manifest (and, unless ``hidden``, is not a hidden working directory)."""
+    if not hidden and temporaries.HIDDEN.match(os.path.basename(os.path.normpath(directory))):
+        return False
+    return read_manifest(directory) is not None
+
+
+def scan(root: str) -> tuple[list[tuple[int, str, dict[str, Any]]], list[tuple[str, str]]]:
+    """``(committed, damaged)`` directly under ``root``: committed as ``(sequence, path, manifest)``,
+    oldest first; damaged as ``(path, what is wrong)`` — a directory with a manifest that does not
+    validate, or an automatically named ``checkpoint_<n>`` without one (only a commit makes those)."""
+    committed, damaged = [], []
     try:
-        with open(os.path.join(directory, MANIFEST_NAME)) as handle:
-            data = json.load(handle)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        return None
-    return data
-
-
-def is_committed(directory: str) -> bool:
-    return not _HIDDEN.match(os.path.basename(os.path.normpath(directory))) and read_manifest(directory) is not None
+        names = os.listdir(root)
+    except OSError:
+        return [], []
+    for name in names:
+        path = os.path.join(root, name)
+        if name.startswith(".") or not os.path.isdir(path):
+            continue
+        if not has_manifest_file(path) and automatic_number(name) is None:
+            continue  # not a checkpoint: a folder of the user's
+        try:
+            manifest = load_manifest(path)
+        except ManifestProblem as exc:
+            damaged.append((path, str(exc)))
+            continue
+        committed.append((manifest["sequence"], path, manifest))
+    committed.sort(key=lambda item: (item[0], _natural_key(os.path.basename(item[1]))))
+    damaged.sort(key=lambda item: _natural_key(os.path.basename(item[0])))
+    return committed, damaged
 
 
 def committed_checkpoints(root: str) -> list[tuple[int, str, dict[str, Any]]]:
     """``(sequence, path, manifest)`` of every committed checkpoint directly under ``root``, oldest first."""
-    found = []
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    for name in names:
-        if name.startswith("."):
-            continue
-        path = os.path.join(root, name)
-        manifest = read_manifest(path) if os.path.isdir(path) else None
-        if manifest is not None:
-            found.append((int(manifest.get("sequence", 0)), path, manifest))
-    found.sort(key=lambda item: (item[0], _natural_key(os.path.basename(item[1]))))
-    return found
+    return scan(root)[0]
 
 
 def _natural_key(name: str) -> list[Any]:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
 
 
-def latest_checkpoint(root: str) -> str | None:
-    found = committed_checkpoints(root)
-    return found[-1][1] if found else None
+def latest_checkpoint(root: str, *, skip_damaged: bool = False) -> str | None:
+    """The committed checkpoint with the highest sequence under ``root``, or None.
+
+    A damaged checkpoint that is not older than it (by automatic number, else by name) is an
+    error naming it and what is wrong, unless ``skip_damaged``: resuming from an older
+    checkpoint than the newest one is a decision for the user, never a silent rollback.
+    """
+    committed, damaged = scan(root)
+    newest = committed[-1][1] if committed else None
+    if not skip_damaged:
+        newer = [(path, problem) for path, problem in damaged if newest is None or _newer(path, newest)]
+        if newer:
+            path, problem = newer[-1]
+            fallback = f"resume from {newest}" if newest else "start without it"
+            raise CheckpointError(f"the newest checkpoint {path} is damaged: {problem}. Pass skip_damaged=True to "
+                                  f"{fallback} (the damaged directory is kept for inspection; remove it to silence "
+                                  "this)")
+    return newest
+
+
+def _newer(path: str, than: str) -> bool:
+    mine, theirs = automatic_number(os.path.basename(path)), automatic_number(os.path.basename(than))
+    if mine is not None and theirs is not None:
+        return mine > theirs
+    return _natural_key(os.path.basename(path)) > _natural_key(os.path.basename(than))
 
 
 def leftovers(root: str) -> Iterator[str]:
-    """Uncommitted temporary, half-deleted and replaced directories under ``root``."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return
-    for name in names:
-        if _HIDDEN.match(name):
-            yield os.path.join(root, name)
+    """Hidden working directories under ``root`` (torchrig's or look-alikes; see :mod:`temporaries`)."""
+    return temporaries.hidden_directories(root)
 
 
 def remove_leftovers(root: str) -> list[str]:
-    """Remove what interrupted saves left under ``root``; returns what was removed.
-
-    A ``.replaced-`` directory whose checkpoint is missing (a kill between the two renames of
-    an overwrite without RENAME_EXCHANGE) is renamed back instead: it is the last committed
-    state of that checkpoint.
-    """
-    removed = []
-    for path in leftovers(root):
-        match = _HIDDEN.match(os.path.basename(path))
-        assert match is not None
-        original = os.path.join(root, match["name"])
-        if match["kind"] == "replaced" and not os.path.exists(original) and read_manifest(path) is not None:
-            os.rename(path, original)
-            fsync_path(root)
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
+    """Remove what dead writers left under ``root`` (never a save in progress, never a directory
+    without an owner record); returns what was removed."""
+    return temporaries.reclaim(root, is_committed)
 
 
 def write_text_atomic(path: str, text: str, *, durable: bool = True) -> None:
@@ -130,39 +151,6 @@ def write_text_atomic(path: str, text: str, *, durable: bool = True) -> None:
     os.replace(tmp, path)
     if durable:
         fsync_path(os.path.dirname(os.path.abspath(path)))
-
-
-def write_manifest(directory: str, manifest: dict[str, Any]) -> None:
-    path = os.path.join(directory, MANIFEST_NAME)
-    with open(path, "w") as handle:
-        json.dump(manifest, handle, indent=1, sort_keys=True, default=str)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    fsync_path(directory)
-
-
-def verify(directory: str, manifest: dict[str, Any], *, hashes: bool = False, ranks: set[int] | None = None) -> None:
-    """Check that every manifested file exists with its recorded size (and hash, if asked and
-    recorded). ``ranks`` limits the check to files written by those ranks (non-shared disks)."""
-    problems = []
-    for entry in manifest.get("files", []):
-        record = FileRecord.from_json(entry)
-        if ranks is not None and record.rank not in ranks:
-            continue
-        path = os.path.join(directory, record.path)
-        try:
-            size = os.path.getsize(path)
-        except OSError:
-            problems.append(f"{record.path}: missing")
-            continue
-        if size != record.size:
-            problems.append(f"{record.path}: {size} bytes on disk, {record.size} in the manifest")
-        elif hashes and record.sha256 and hash_file(path) != record.sha256:
-            problems.append(f"{record.path}: sha256 differs from the manifest")
-    if problems:
-        listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise CheckpointError(f"checkpoint {directory} is damaged ({listed}); load an older checkpoint")
 
 
 # -- moving directories ------------------------------------------------------------------------
@@ -205,25 +193,52 @@ def replace_directory(new: str, target: str) -> None:
     """
     if exchange(new, target):
         fsync_path(os.path.dirname(target))
-        shutil.rmtree(new, ignore_errors=True)  # ``new`` now holds the old checkpoint
+        temporaries.remove(new)  # ``new`` now holds the old checkpoint
         return
-    aside = temporary_sibling(target, "replaced")
+    aside = temporaries.claim(target, "replaced")
     os.rename(target, aside)
     os.rename(new, target)
+    temporaries.release(new)
     fsync_path(os.path.dirname(target))
-    shutil.rmtree(aside, ignore_errors=True)
+    temporaries.remove(aside)
 
 
 def delete_checkpoint(path: str) -> None:
     """Rename first (the directory stops counting as committed at once), then remove."""
-    aside = temporary_sibling(path, "deleting")
-    os.rename(path, aside)
+    aside = temporaries.claim(path, "deleting")
+    try:
+        os.rename(path, aside)
+    except BaseException:
+        temporaries.release(aside)
+        raise
     fsync_path(os.path.dirname(os.path.abspath(path)))
-    shutil.rmtree(aside, ignore_errors=True)
+    temporaries.remove(aside)
 
 
 __all__ = [
-    "AUTOMATIC_PREFIX", "FORMAT", "FORMAT_VERSION", "LATEST_NAME", "MANIFEST_NAME", "committed_checkpoints",
-    "delete_checkpoint", "exchange", "is_committed", "latest_checkpoint", "leftovers", "numbered", "read_manifest",
-    "remove_leftovers", "replace_directory", "temporary_sibling", "verify", "write_manifest", "write_text_atomic",
+    "AUTOMATIC_PREFIX",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "LATEST_NAME",
+    "MANIFEST_NAME",
+    "automatic_number",
+    "check_file",
+    "committed_checkpoints",
+    "delete_checkpoint",
+    "exchange",
+    "has_manifest_file",
+    "is_committed",
+    "latest_checkpoint",
+    "leftovers",
+    "load_manifest",
+    "numbered",
+    "read_manifest",
+    "remove_leftovers",
+    "replace_directory",
+    "scan",
+    "temporary_sibling",
+    "unlisted_files",
+    "verify",
+    "write_manifest",
+    "write_text_atomic",
 ]

@@ -3,7 +3,8 @@
 Save (every rank, collectively):
 
 1. rank 0 checks the target (an existing committed checkpoint is refused unless ``overwrite``),
-   removes leftovers of interrupted saves and creates the hidden temporary sibling
+   removes what dead writers left (only directories whose owner record proves it, see
+   :mod:`~torchrig.checkpoint.temporaries`) and claims the hidden temporary sibling
    ``.<name>.tmp-<token>``; the decision is broadcast so every rank fails the same way;
 2. every rank writes its files through a :class:`~torchrig.checkpoint.files.CheckpointWriter`
    (fsynced, sized, hashed while streaming when hashes are on): the strategy's models and
@@ -11,18 +12,18 @@ Save (every rank, collectively):
    positions, plugin state (``torchrig_checkpoint_state``), custom objects and per-rank RNG;
 3. every rank sends rank 0 its file list, or its error; one failed rank fails the save on all
    ranks, the temporary directory is removed and the previous checkpoint stays the latest;
-4. rank 0 writes the manifest, renames the directory into place (the commit point; an
-   overwrite is an atomic directory exchange), fsyncs the parent, updates ``latest`` and only
-   then deletes checkpoints beyond ``total_limit``; the outcome is broadcast.
+4. rank 0 checks every file on disk against the reports, writes the manifest, renames the
+   directory into place (the commit point; an overwrite is an atomic directory exchange), fsyncs
+   the parent, updates ``latest`` and only then deletes automatically named checkpoints beyond
+   ``total_limit``; the outcome is broadcast.
 
 With ``async_save`` step 2 only copies the state to CPU memory; the files, the agreement and the
 commit run on a background thread over a dedicated gloo group, so training never waits on the
 disk and no step makes a collective. A failed background save is raised on every rank at the
-next ``save_state``, ``load_state``, ``wait_for_everyone`` or ``end_training``.
+next ``save_state``, ``load_state``, ``wait_for_everyone`` or ``end_training``; a save still
+running when the script ends is finished at exit (:mod:`~torchrig.checkpoint.pending`).
 
-Load trusts only committed (manifested) checkpoints, verifies sizes (and hashes when asked),
-refuses a changed configuration or world size with a diff unless allowed, then restores every
-piece saved, and the automatic-naming iteration so the next save continues the numbering.
+Loading is :mod:`~torchrig.checkpoint.loading`.
 """
 
 from __future__ import annotations
@@ -30,19 +31,27 @@ from __future__ import annotations
 import collections
 import os
 import platform
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from torchrig.checkpoint import faults, layout
-from torchrig.checkpoint.files import CheckpointError, CheckpointWriter, FileRecord, fsync_path, hash_file
-from torchrig.checkpoint.state import (
-    FINGERPRINT_SECTIONS, capture_rng, describe_dataloader, diff, digest, fingerprint_config, reseed_rng,
-    restore_rng,
+from torchrig.checkpoint import faults, layout, loading, temporaries
+from torchrig.checkpoint.files import (
+    CheckpointError,
+    CheckpointWriter,
+    FileRecord,
+    describe_os_error,
+    fsync_path,
+    hash_file,
 )
+from torchrig.checkpoint.loading import describe as _describe
+from torchrig.checkpoint.pending import PendingSave
+from torchrig.checkpoint.state import capture_rng, describe_dataloader, digest, fingerprint_config
+from torchrig.checkpoint.trust import check_loadable
 from torchrig.collectives import Collectives
 from torchrig.config.resolve import Schema
+from torchrig.launch import status
+from torchrig.state_dicts import save_structured
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.accelerator import Accelerator
@@ -50,30 +59,6 @@ if TYPE_CHECKING:  # pragma: no cover
 #: Rank-0 phases that other ranks pass while they wait for the commit (see ``faults``).
 _COMMIT_PHASES = ("before_manifest", "before_rename", "before_latest", "before_rotation_delete")
 _PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-
-
-class _PendingSave:
-    """A save whose files and commit are being finished by a background thread."""
-
-    def __init__(self, target: str, work: Callable[[], str]) -> None:
-        self.target = target
-        self.error: BaseException | None = None
-        # Not a daemon: an interpreter that reaches its end first finishes the save.
-        self._thread = threading.Thread(target=self._run, args=(work,), name="torchrig-checkpoint", daemon=False)
-        self._thread.start()
-
-    def _run(self, work: Callable[[], str]) -> None:
-        try:
-            work()
-        except BaseException as exc:  # reported to the training thread by join()
-            self.error = exc
-
-    def join(self) -> None:
-        self._thread.join()
 
 
 class CheckpointManager:
@@ -87,7 +72,7 @@ class CheckpointManager:
         self._strategy_sections: tuple[int, list[str]] | None = None  # (plugin generation, sections)
         self.save_pre_hooks: collections.OrderedDict[int, Callable[..., Any]] = collections.OrderedDict()
         self.load_pre_hooks: collections.OrderedDict[int, Callable[..., Any]] = collections.OrderedDict()
-        self._pending: _PendingSave | None = None
+        self._pending: PendingSave | None = None
         #: CPU buffers reused by asynchronous saves (free only once the previous save finished).
         self._staging: dict[str, Any] = {}
         self._group: Any = None
@@ -118,9 +103,10 @@ class CheckpointManager:
                                   "ProjectConfiguration(automatic_checkpoint_naming=True) with a project_dir")
         return os.path.abspath(os.fspath(output_dir)), None
 
-    def latest(self, root: str | os.PathLike[str] | None = None) -> str | None:
-        """The newest committed checkpoint under ``root`` (default: the project's checkpoints)."""
-        return layout.latest_checkpoint(self.checkpoints_root(root))
+    def latest(self, root: str | os.PathLike[str] | None = None, *, skip_damaged: bool = False) -> str | None:
+        """The newest committed checkpoint under ``root`` (default: the project's checkpoints); a
+        damaged newer one is an error unless ``skip_damaged``."""
+        return layout.latest_checkpoint(self.checkpoints_root(root), skip_damaged=skip_damaged)
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -158,11 +144,13 @@ class CheckpointManager:
 
         decision: dict[str, Any] = {}
         if rank == 0:
-            decision = self._prepare_target(target, overwrite)
+            decision = self._prepare_target(target, root, overwrite)
         decision = collectives.broadcast_object_list([decision])[0]
         if "error" in decision:
             raise CheckpointError(decision["error"])
-        temporary = decision["temporary"]
+        target, temporary = decision["target"], decision["temporary"]
+        if root is not None:  # taken even if the save fails: numbers are never reused (as with async saves)
+            self.iteration = decision["number"] + 1
         os.makedirs(temporary, exist_ok=True)
 
         writer = CheckpointWriter(temporary, rank, hashing=hashes, safe_serialization=safe_serialization,
@@ -171,42 +159,54 @@ class CheckpointManager:
         local_error: str | None = None
         base: dict[str, Any] = {}
         try:  # nothing may skip the agreement below, or the other ranks would wait for this one
-            base = self._manifest_base(decision["sequence"], hashes)
+            base = self._manifest_base(decision.get("number"), hashes)
             extra_files = self._write_state(writer)
         except _PASS_THROUGH:
             raise
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             local_error = _describe(exc)
-        if root is not None:  # taken even if the save fails: numbers are never reused (as with async saves)
-            self.iteration += 1
 
         def finish() -> str:
             return self._finish(collectives, writer, extra_files, local_error, temporary, target, root, base, overwrite)
 
         if async_save:
-            self._pending = _PendingSave(target, finish)
+            self._pending = PendingSave(target, finish, _describe)
             return target
         return finish()
 
-    def _prepare_target(self, target: str, overwrite: bool) -> dict[str, Any]:
+    def _prepare_target(self, target: str, root: str | None, overwrite: bool) -> dict[str, Any]:
+        """Rank 0: reclaim what dead writers left, check the target, claim its temporary directory.
+
+        An automatically named target skips numbers whose directory exists without a valid
+        manifest (a damaged checkpoint, kept as evidence): saving goes on past it.
+        """
         parent = os.path.dirname(target)
+        number = None
         try:
             os.makedirs(parent, exist_ok=True)
             layout.remove_leftovers(parent)
+            if root is not None:
+                number = self.iteration
+                while os.path.lexists(target) and not layout.is_committed(target):
+                    number += 1
+                    target = os.path.join(root, f"{layout.AUTOMATIC_PREFIX}{number}")
             if os.path.exists(target):
                 if not layout.is_committed(target):
                     return {"error": f"cannot save to {target}: it exists and is not a committed torchrig checkpoint "
-                                     "(it has no manifest); choose another directory or remove it"}
+                                     "(it has no valid manifest); choose another directory or remove it"}
                 if not overwrite:
                     return {"error": f"cannot save to {target}: a committed checkpoint is already there; pass "
                                      "save_state(..., overwrite=True) to replace it atomically, or choose another "
                                      "directory"}
-            sequence = 1 + max((seq for seq, _, _ in layout.committed_checkpoints(parent)), default=0)
-            temporary = layout.temporary_sibling(target)
-            os.makedirs(temporary)
+            temporary = temporaries.claim(target, "tmp")
+            try:
+                os.makedirs(temporary)
+            except BaseException:
+                temporaries.release(temporary)
+                raise
         except OSError as exc:
             return {"error": f"cannot create a checkpoint in {parent}: {exc.strerror or exc}"}
-        return {"temporary": temporary, "sequence": sequence}
+        return {"target": target, "temporary": temporary, "number": number}
 
     def _write_state(self, writer: CheckpointWriter) -> list[str]:
         """Write this rank's files; returns the files a library wrote without the writer."""
@@ -222,14 +222,18 @@ class CheckpointManager:
         faults.point("mid_optimizer", rank)  # ranks that wrote no optimizer file pass it here
         if main:
             for index, scheduler in enumerate(accelerator._schedulers):
-                writer.save_torch(scheduler.state_dict(), layout.numbered("scheduler", index, ".bin"))
+                _save_checked(writer, scheduler.state_dict(), layout.numbered("scheduler", index, ".bin"),
+                              f"scheduler {index}")
             for index, loader in enumerate(accelerator._dataloaders):
                 if hasattr(loader, "state_dict"):
-                    writer.save_torch(loader.state_dict(), layout.numbered("dl_state_dict", index, ".bin"))
+                    _save_checked(writer, loader.state_dict(), layout.numbered("dl_state_dict", index, ".bin"),
+                                  f"dataloader {index}")
             for name, obj in self._plugin_state().items():
-                writer.save_torch(obj.state_dict(), f"{name}.pt")
+                _save_checked(writer, obj.state_dict(), f"{name}.pt", f"plugin state {name!r}")
             for index, obj in enumerate(self.custom_objects):
-                writer.save_torch(obj.state_dict(), f"custom_checkpoint_{index}.pkl")
+                # safetensors + a JSON skeleton (no pickle); a restricted-pickle .bin if it holds more
+                save_structured(writer, obj.state_dict(), f"custom_checkpoint_{index}",
+                                what=f"registered object {index} ({type(obj).__name__})")
         writer.save_torch(capture_rng(), f"random_states_{rank}.pkl")
         return list(written)
 
@@ -258,18 +262,17 @@ class CheckpointManager:
                 state[name] = obj
         return state
 
-    def _manifest_base(self, sequence: int, hashes: bool) -> dict[str, Any]:
+    def _manifest_base(self, number: int | None, hashes: bool) -> dict[str, Any]:
+        """The manifest but its files and ``sequence`` (given at the commit, in commit order)."""
         import torch
 
         from torchrig import __version__
 
         accelerator = self._accelerator
         run = accelerator._run
-        automatic = self._project.automatic_checkpoint_naming
         config_keys, data_order = self._fingerprint()
         return {
-            "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "sequence": sequence,
-            "iteration": self.iteration if automatic else None,
+            "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "iteration": number,
             "accumulation_step": accelerator.gradient_state.step,
             "created_at": time.time(), "world_size": run.cluster.world_size, "num_nodes": run.cluster.num_nodes,
             "strategy": run.config.get("strategy"), "hashes": hashes,
@@ -315,9 +318,7 @@ class CheckpointManager:
         outcome: dict[str, Any] = {}
         if rank == 0:
             if failures:
-                import shutil
-
-                shutil.rmtree(temporary, ignore_errors=True)
+                temporaries.remove(temporary)
                 outcome = {"error": f"checkpoint {target} was not saved, the previous checkpoint is intact ("
                                     + "; ".join(failures) + ")"}
             else:
@@ -328,38 +329,47 @@ class CheckpointManager:
         outcome = collectives.broadcast_object_list([outcome])[0]
         if "error" in outcome:
             raise CheckpointError(outcome["error"])
+        status.record(last_checkpoint=target)  # every rank's status file names it
         for message in outcome.get("warnings", []):
             self._accelerator_warning(message)
         return target
 
     def _commit(self, reports: Sequence[Mapping[str, Any]], temporary: str, target: str, root: str | None,
                 base: dict[str, Any], overwrite: bool) -> dict[str, Any]:
-        """Rank 0: manifest, rename, ``latest``, rotation. Returns the outcome to broadcast."""
-        import shutil
+        """Rank 0: manifest, rename, ``latest``, rotation. Returns the outcome to broadcast.
 
+        The manifest is written only after every file in the temporary directory — the ranks'
+        and any a save pre-hook wrote itself — was checked on disk (a regular file of the size
+        recorded): a checkpoint whose manifest does not match its files is never published.
+        """
         files = {entry["path"]: entry for report in reports for entry in report["files"]}
         try:
-            for dirpath, _, names in os.walk(temporary):  # files a save pre-hook wrote itself
-                for name in names:
-                    relative = os.path.relpath(os.path.join(dirpath, name), temporary).replace(os.sep, "/")
-                    if relative not in files and relative != layout.MANIFEST_NAME:
-                        path = os.path.join(temporary, relative)
-                        fsync_path(path)
-                        files[relative] = FileRecord(relative, os.path.getsize(path),
-                                                     hash_file(path) if base["hashes"] else None, 0).to_json()
-            manifest = {**base, "files": [files[name] for name in sorted(files)], "committed_at": time.time()}
             faults.point("before_manifest", 0)
+            for relative in layout.unlisted_files(temporary, set(files)):  # files a save pre-hook wrote itself
+                path = os.path.join(temporary, relative)
+                fsync_path(path)
+                files[relative] = FileRecord(relative, os.path.getsize(path),
+                                             hash_file(path) if base["hashes"] else None, 0).to_json()
+            problems = [p for p in (layout.check_file(temporary, name, entry["size"]) for name, entry in files.items())
+                        if p is not None]
+            if problems:
+                temporaries.remove(temporary)
+                return {"error": f"checkpoint {target} was not committed, the previous checkpoint is intact: its files "
+                                 f"changed after they were written ({'; '.join(problems[:5])}) — is another process "
+                                 "writing into the same checkpoint directory?"}
+            sequence = 1 + max((seq for seq, _, _ in layout.committed_checkpoints(os.path.dirname(target))), default=0)
+            manifest = {**base, "sequence": sequence, "files": [files[name] for name in sorted(files)],
+                        "committed_at": time.time()}
             layout.write_manifest(temporary, manifest)
             faults.point("before_rename", 0)
             if overwrite and os.path.exists(target):
                 layout.replace_directory(temporary, target)
             else:
                 os.rename(temporary, target)
+                temporaries.release(temporary)
                 fsync_path(os.path.dirname(target))
         except OSError as exc:
-            shutil.rmtree(temporary, ignore_errors=True)
-            from torchrig.checkpoint.files import describe_os_error
-
+            temporaries.remove(temporary)
             return {"error": f"checkpoint {target} was not committed, the previous checkpoint is intact: "
                              f"{describe_os_error(exc, exc.filename or temporary)}"}
         warnings: list[str] = []
@@ -381,7 +391,9 @@ class CheckpointManager:
         limit = self._project.total_limit
         if not limit:
             return []
-        committed = [path for _, path, _ in layout.committed_checkpoints(root) if os.path.abspath(path) != keep]
+        # Only automatically named checkpoints rotate: others in the folder belong to someone else.
+        committed = [path for _, path, _ in layout.committed_checkpoints(root)
+                     if os.path.abspath(path) != keep and layout.automatic_number(os.path.basename(path)) is not None]
         excess = len(committed) + 1 - limit
         warnings = []
         for path in committed[:max(0, excess)]:
@@ -392,11 +404,8 @@ class CheckpointManager:
         return warnings
 
     def _notify_committed(self, target: str, manifest: Mapping[str, Any]) -> None:
-        from torchrig.launch import status
-
         accelerator = self._accelerator
         accelerator._host.hook.torchrig_checkpoint_committed(run=accelerator._run, directory=target, manifest=manifest)
-        status.record(last_checkpoint=target)
 
     def _accelerator_warning(self, message: str) -> None:
         from torchrig.logging import get_logger
@@ -411,165 +420,28 @@ class CheckpointManager:
         if pending is None:
             return
         pending.join()
-        if pending.error is not None:
+        message = pending.failure()
+        if message is not None:
             # The iteration number stays used: numbering never goes back after a failed save.
-            error = pending.error
-            if isinstance(error, CheckpointError):
-                raise CheckpointError(f"the asynchronous save to {pending.target} failed: {error}") from error
-            raise CheckpointError(f"the asynchronous save to {pending.target} failed: {_describe(error)}") from error
+            raise CheckpointError(message) from pending.error
 
     # -- load -----------------------------------------------------------------------------
 
     def load(self, input_dir: str | os.PathLike[str] | None = None, *, allow_config_change: bool = False,
-             allow_world_size_change: bool = False, verify_hashes: bool = False) -> str:
-        """Load a committed checkpoint (default: the project's latest); returns its directory."""
+             allow_world_size_change: bool = False, verify_hashes: bool = False, allow_pickle: bool = False,
+             skip_damaged: bool = False) -> str:
+        """Load a committed checkpoint (default: the project's latest); returns its directory
+        (see :mod:`torchrig.checkpoint.loading`)."""
         self.wait()
-        accelerator = self._accelerator
-        run = accelerator._run
-        rank = run.cluster.rank
-        collectives = self._collectives()
-        found: dict[str, Any] = {}
-        if rank == 0:
-            try:
-                directory = self._resolve_load_dir(input_dir)
-                manifest = layout.read_manifest(directory)
-                assert manifest is not None
-                layout.verify(directory, manifest, hashes=verify_hashes)
-                self._check_compatible(directory, manifest, allow_config_change, allow_world_size_change)
-                found = {"directory": directory}
-            except CheckpointError as exc:
-                found = {"error": str(exc)}
-        found = collectives.broadcast_object_list([found])[0]
-        if "error" in found:
-            raise CheckpointError(found["error"])
-        directory = found["directory"]
-        manifest = layout.read_manifest(directory)
-        if manifest is None:
-            raise CheckpointError(f"rank {rank} cannot read the manifest of {directory} (is the directory on a disk "
-                                  "this node can see?)")
-        error = None
-        try:
-            self._restore(directory, manifest)
-        except _PASS_THROUGH:
-            raise
-        except BaseException as exc:
-            error = f"rank {rank}: {_describe(exc)}"
-        errors = [e for e in collectives.gather_object([error]) if e]
-        if errors:  # every rank raises, none waits for a rank that failed
-            raise CheckpointError(f"loading {directory} failed; the prepared objects are partly loaded, load again "
-                                  "or restart: " + "; ".join(errors))
-        if rank == 0:
-            layout.remove_leftovers(os.path.dirname(directory))
-        return directory
+        return loading.load(self, input_dir, allow_config_change=allow_config_change,
+                            allow_world_size_change=allow_world_size_change, verify_hashes=verify_hashes,
+                            allow_pickle=allow_pickle, skip_damaged=skip_damaged)
 
-    def _resolve_load_dir(self, input_dir: str | os.PathLike[str] | None) -> str:
-        if input_dir is None:
-            if not self._project.automatic_checkpoint_naming and not self._project.project_dir:
-                raise CheckpointError("load_state() needs a checkpoint directory: pass load_state(input_dir) or set "
-                                      "a project_dir with automatic_checkpoint_naming")
-            root = self.checkpoints_root()
-            latest = layout.latest_checkpoint(root)
-            if latest is None:
-                unfinished = len(list(layout.leftovers(root)))
-                extra = f" ({unfinished} unfinished save(s) there are ignored)" if unfinished else ""
-                raise CheckpointError(f"no committed checkpoint in {root}{extra}; to start fresh, do not call "
-                                      "load_state() (see Accelerator.latest_checkpoint())")
-            return latest
-        directory = os.path.abspath(os.fspath(input_dir))
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"cannot resume from {directory}: no such directory")
-        if layout.read_manifest(directory) is not None and layout.is_committed(directory):
-            return directory
-        latest = layout.latest_checkpoint(directory)
-        if latest is not None:
-            return latest
-        raise CheckpointError(f"cannot resume from {directory}: it is not a committed torchrig checkpoint (no "
-                              f"{layout.MANIFEST_NAME}: the save that wrote it did not finish) and holds none")
 
-    def _check_compatible(self, directory: str, manifest: Mapping[str, Any], allow_config_change: bool,
-                          allow_world_size_change: bool) -> None:
-        accelerator = self._accelerator
-        problems = []
-        world = accelerator._run.cluster.world_size
-        if int(manifest.get("world_size", 1)) != world and not allow_world_size_change:
-            problems.append(f"world size: checkpoint {manifest.get('world_size')}, now {world} (pass "
-                            "load_state(..., allow_world_size_change=True) to convert; see docs/checkpoints.md)")
-        config_keys, data_order = self._fingerprint()
-        saved = manifest.get("fingerprint", {})
-        saved_config, saved_order = dict(saved.get("config", {})), list(saved.get("data_order") or [])
-        if int(manifest.get("world_size", 1)) != world:
-            # What follows from the world size is not a configuration change: the strategy
-            # (single <-> data parallel; the strategy's load hook refuses formats it cannot
-            # read), its options, and the global batch size.
-            for keys in (saved_config, config_keys):
-                for key in [k for k in keys if k == "strategy" or "." in k and k.split(".")[0] not in FINGERPRINT_SECTIONS]:
-                    del keys[key]
-            saved_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in saved_order]
-            data_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in data_order]
-        if not allow_config_change:
-            lines = diff(saved_config, config_keys)
-            if saved.get("data_order") is not None and saved_order != data_order:
-                lines.extend(f"data order, dataloader {line}" for line in diff(
-                    {str(i): v for i, v in enumerate(saved_order)}, {str(i): v for i, v in enumerate(data_order)}))
-            if lines:
-                problems.append("configuration changed since the checkpoint (pass load_state(..., "
-                                "allow_config_change=True) to load anyway):\n    " + "\n    ".join(lines))
-        contents = manifest.get("contents", {})
-        for name, have in (("models", len(accelerator._models)), ("schedulers", len(accelerator._schedulers)),
-                           ("dataloaders", len(accelerator._dataloaders)),
-                           ("custom_objects", len(self.custom_objects))):
-            if int(contents.get(name, have)) != have:
-                problems.append(f"{name}: the checkpoint has {contents.get(name)}, this run prepared/registered {have}")
-        if problems:
-            raise CheckpointError(f"cannot load {directory}: " + "; ".join(problems))
-
-    def _restore(self, directory: str, manifest: Mapping[str, Any]) -> None:
-        import torch
-
-        accelerator = self._accelerator
-        run = accelerator._run
-        rank = run.cluster.rank
-        prepared = list(accelerator._models)
-        if self.load_pre_hooks:
-            models = [item.model for item in prepared]
-            kept = list(models)
-            for hook in self.load_pre_hooks.values():
-                hook(kept, directory)
-            prepared = [item for item, model in zip(prepared, models) if any(m is model for m in kept)]
-        try:
-            accelerator._host.hook.torchrig_load_strategy_state(run=run, prepared=prepared, directory=directory,
-                                                                manifest=manifest)
-        except _PASS_THROUGH:
-            raise
-        except BaseException as exc:  # DCP raises BaseException subclasses
-            raise CheckpointError(f"cannot load the models and optimizers of {directory}: {_describe(exc)}") from exc
-
-        def read(name: str) -> Any:
-            return torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
-
-        for index, scheduler in enumerate(accelerator._schedulers):
-            scheduler.load_state_dict(read(layout.numbered("scheduler", index, ".bin")))
-        for index, loader in enumerate(accelerator._dataloaders):
-            name = layout.numbered("dl_state_dict", index, ".bin")
-            if hasattr(loader, "load_state_dict") and os.path.exists(os.path.join(directory, name)):
-                loader.load_state_dict(read(name))
-        for name, obj in self._plugin_state().items():
-            path = f"{name}.pt"
-            if not os.path.exists(os.path.join(directory, path)):
-                raise CheckpointError(f"{directory} has no {path} for the plugin state {name!r} this run has (was it "
-                                      "saved with another precision or strategy?)")
-            obj.load_state_dict(read(path))
-        for index, obj in enumerate(self.custom_objects):
-            obj.load_state_dict(torch.load(os.path.join(directory, f"custom_checkpoint_{index}.pkl"),
-                                           map_location="cpu", weights_only=False))
-        rng_file = os.path.join(directory, f"random_states_{rank}.pkl")
-        if os.path.exists(rng_file):
-            restore_rng(torch.load(rng_file, map_location="cpu", weights_only=True))
-        else:
-            reseed_rng(int(manifest.get("sequence", 0)), rank)
-        accelerator.gradient_state.step = int(manifest.get("accumulation_step", 0))
-        if manifest.get("iteration") is not None:
-            self.iteration = int(manifest["iteration"]) + 1
+def _save_checked(writer: CheckpointWriter, state: Any, name: str, what: str) -> None:
+    """``torch.save`` ``state`` once it is known that ``load_state`` can read it back."""
+    check_loadable(state, what)
+    writer.save_torch(state, name)
 
 
 __all__ = ["CheckpointManager"]

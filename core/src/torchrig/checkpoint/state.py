@@ -117,10 +117,30 @@ def describe_dataloader(loader: Any) -> dict[str, Any]:
     return {
         "dataset": type(dataset).__name__, "dataset_length": length, "batch_size": getattr(loader, "batch_size", None),
         "total_batch_size": state.get("total_batch_size"), "seed": state.get("seed"),
+        "seed_source": getattr(loader, "seed_source", None),
         "sampler": type(sampler).__name__ if sampler is not None else None,
         "drop_last": getattr(getattr(loader, "base_dataloader", loader), "drop_last", None),
         "split_batches": getattr(loader, "split_batches", None),
     }
+
+
+def comparable_data_order(saved: list[dict[str, Any]], current: list[dict[str, Any]], loaders: list[Any]
+                          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The saved and current data-order descriptions, as a resume compares them.
+
+    A loader whose seed was drawn from the global RNG (the script never chose one: no
+    ``data_seed``, no generator of its own) gets the checkpoint's seed back with its position,
+    so its seed is not part of the comparison; a seed the script chose is (changing it changes
+    the order the run asked for). ``seed_source`` itself is bookkeeping, never a difference.
+    """
+    def strip(order: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        stripped = []
+        for index, entry in enumerate(order):
+            drawn = index < len(loaders) and getattr(loaders[index], "seed_source", None) == "global_rng"
+            stripped.append({k: v for k, v in entry.items() if k != "seed_source" and not (drawn and k == "seed")})
+        return stripped
+
+    return strip(list(saved)), strip(list(current))
 
 
 def digest(value: Any) -> str:
@@ -136,5 +156,6 @@ def diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-__all__ = ["FINGERPRINT_SECTIONS", "NON_FINGERPRINT_KEYS", "NON_FINGERPRINT_SECTIONS", "capture_rng", "describe_dataloader",
-           "diff", "digest", "fingerprint_config", "reseed_rng", "restore_rng"]
+__all__ = ["FINGERPRINT_SECTIONS", "NON_FINGERPRINT_KEYS", "NON_FINGERPRINT_SECTIONS", "capture_rng",
+           "comparable_data_order", "describe_dataloader", "diff", "digest", "fingerprint_config", "reseed_rng",
+           "restore_rng"]

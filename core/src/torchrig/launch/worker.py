@@ -299,8 +299,21 @@ def _outcome(exc: BaseException, watch: _Watch) -> int:
 
 
 def _finished(watch: _Watch) -> int:
+    failures = _unfinished_work_failures()
+    if failures:  # the script returned, but work it started (a last asynchronous save) failed
+        message = "; ".join(failures)
+        print(f"torchrig: checkpoint lost: {message}", file=sys.stderr, flush=True)
+        return _failed(watch, 1, message, message)
     watch.finish(state=_status.FINISHED, exit_code=0, ended_at=time.time())
     return 0
+
+
+def _unfinished_work_failures() -> list[str]:
+    """Finish the asynchronous checkpoint saves the script left running (they are part of the
+    script: a rank is ``finished`` only once they committed). Looked up, never imported: a
+    script that never saved has none."""
+    pending = sys.modules.get("torchrig.checkpoint.pending")
+    return list(pending.finish_all()) if pending is not None else []
 
 
 def _failed(watch: _Watch, code: int, message: str, text: str, **extra: Any) -> int:

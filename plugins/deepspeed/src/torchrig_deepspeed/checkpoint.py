@@ -10,6 +10,12 @@ recovery scripts ``zero_to_fp32.py``/``zero_to_torch.py`` next to the tags. Ever
 own files; the hook returns exactly those (recorded from DeepSpeed's checkpoint engine), and the
 core fsyncs, sizes, manifests and commits them.
 
+DeepSpeed's engine reads its files with ``torch.load(weights_only=False)``, which runs any code a
+planted checkpoint holds. While torchrig loads, the engine's checkpoint engine is replaced by
+one that reads with ``weights_only=True`` and allows only the DeepSpeed types its checkpoints
+hold (:data:`SAFE_GLOBALS`); ``load_state(..., allow_pickle=True)`` gives DeepSpeed's own full
+unpickling back, for checkpoints the user trusts (docs/deepspeed.md).
+
 DeepSpeed's ``latest`` file is never written and never read: the tag is always passed, and what
 is committed is decided by the core's manifest. ``load_checkpoint`` is asked for the tag and its
 ``None`` ("nothing loaded", which DeepSpeed only logs) is an error here.
@@ -22,9 +28,11 @@ conversion (``ds_to_universal``).
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from torchrig.checkpoint.trust import PICKLE_OPT_IN
 from torchrig.run import RunContext
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,6 +68,41 @@ class _Recording:
         result = self._inner.save(state_dict, path)
         self.paths.append(os.fspath(path))
         return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def safe_globals() -> list[Any]:
+    """The non-torch types DeepSpeed engine checkpoints hold (loss scalers, enums, config
+    objects): plain data classes whose unpickling calls no code of the checkpoint's choosing."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+class _SafeLoading:
+    """Stands in for the engine's checkpoint engine during a load: every ``load(path)`` reads
+    with ``weights_only=True`` and :func:`safe_globals` (unless ``allow_pickle``)."""
+
+    def __init__(self, inner: Any, allow_pickle: bool) -> None:
+        self._inner = inner
+        self._allow_pickle = allow_pickle
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        import torch
+
+        if self._allow_pickle:
+            return self._inner.load(path, map_location=map_location)
+        try:
+            with torch.serialization.safe_globals(safe_globals()):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            reason = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line), type(exc).__name__)
+            raise DeepSpeedCheckpointError(f"deepspeed: {path} holds objects the safe loader refuses ({reason}); "
+                                           f"{PICKLE_OPT_IN}") from exc
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -105,8 +148,10 @@ def _partitioned(record: EngineRecord) -> bool:
     return bool(engine.zero_optimization() or hasattr(engine.optimizer, "dp_process_group"))
 
 
-def load_state(run: RunContext, records: Sequence[EngineRecord], directory: str, manifest: Mapping[str, Any]) -> None:
-    """Load every engine's checkpoint from its tag (collective)."""
+def load_state(run: RunContext, records: Sequence[EngineRecord], directory: str, manifest: Mapping[str, Any],
+               allow_pickle: bool = False) -> None:
+    """Load every engine's checkpoint from its tag (collective), unpickling only safe types unless
+    ``allow_pickle``."""
     saved_world = int(manifest.get("world_size", run.cluster.world_size))
     world = run.cluster.world_size
     strategy = manifest.get("strategy")
@@ -126,12 +171,18 @@ def load_state(run: RunContext, records: Sequence[EngineRecord], directory: str,
                 f"--output_folder {path}_universal`, then load that with `\"checkpoint\": {{\"load_universal\": true}}` "
                 "in the DeepSpeed config through engine.load_checkpoint")
         engine = record.engine
+        checkpoint_engine = engine.checkpoint_engine
+        engine.checkpoint_engine = _SafeLoading(checkpoint_engine, allow_pickle)
         try:
             load_path, _ = engine.load_checkpoint(directory, tag=record.tag, load_module_strict=True,
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
+        except DeepSpeedCheckpointError:
+            raise
         except Exception as exc:
             raise DeepSpeedCheckpointError(f"deepspeed: loading {_describe(record)} from {path} failed: "
                                            f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            engine.checkpoint_engine = checkpoint_engine
         if load_path is None:  # DeepSpeed only logs this and carries on with the current weights
             raise DeepSpeedCheckpointError(f"deepspeed: DeepSpeed loaded nothing for {_describe(record)} from {path} "
                                            "(its model states file is missing or unreadable)")
@@ -149,4 +200,5 @@ def full_state_dict(run: RunContext, record: EngineRecord) -> dict[str, Any]:
     return engine.module.state_dict()
 
 
-__all__ = ["MODEL_TAG", "DeepSpeedCheckpointError", "full_state_dict", "load_state", "save_state", "tag_for"]
+__all__ = ["MODEL_TAG", "DeepSpeedCheckpointError", "full_state_dict", "load_state", "safe_globals", "save_state",
+           "tag_for"]

@@ -267,8 +267,8 @@ class DeepSpeedStrategy:
 
     @hookimpl
     def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str,
-                                     manifest: Any) -> bool:
-        ds_checkpoint.load_state(run, _records_for(run, prepared), directory, manifest)
+                                     manifest: Any, allow_pickle: bool) -> bool:
+        ds_checkpoint.load_state(run, _records_for(run, prepared), directory, manifest, allow_pickle)
         return True
 
     @hookimpl

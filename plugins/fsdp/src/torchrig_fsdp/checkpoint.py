@@ -33,8 +33,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from torchrig.checkpoint.trust import check_loadable, load_pickled
 from torchrig.run import RunContext
 from torchrig.types import PreparedModel
+from torchrig_fsdp import safe_dcp
 
 SHARDED = "SHARDED_STATE_DICT"
 FULL = "FULL_STATE_DICT"
@@ -96,11 +99,14 @@ def save_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
         for optimizer in item.optimizers:
             name = optimizer_name(optimizer_index, sharded)
             if sharded:
-                written += _dcp_save({"optimizer": get_optimizer_state_dict(model, optimizer)}, directory, name,
-                                     f"optimizer {optimizer_index}")
+                state = get_optimizer_state_dict(model, optimizer)
+                check_loadable(state, f"optimizer {optimizer_index}")  # DCP pickles non-tensor values
+                written += _dcp_save({"optimizer": state}, directory, name, f"optimizer {optimizer_index}")
             else:
                 options = _options(full_state_dict=True, cpu_offload=True) if _distributed() else None
                 state = get_optimizer_state_dict(model, optimizer, options=options)
+                if run.cluster.is_main_process:  # what torch.save writes, load_state must read back
+                    check_loadable(state, f"optimizer {optimizer_index}")
                 written += _save_full(run, state, directory, name)
             optimizer_index += 1
     return written
@@ -177,9 +183,10 @@ def _recording_writer_class() -> type:
 # -- load ---------------------------------------------------------------------------------------
 
 
-def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> None:
+def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str, allow_pickle: bool = False) -> None:
     """Load what :func:`save_state` wrote (either format, at any world size) into the prepared
-    models and optimizers. Collective."""
+    models and optimizers. Collective. Nothing is unpickled beyond ``weights_only`` unless
+    ``allow_pickle`` (see :mod:`torchrig_fsdp.safe_dcp`)."""
     optimizer_index = 0
     for index, item in enumerate(prepared):
         model = item.unwrapped
@@ -187,10 +194,10 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
         full_file = os.path.join(directory, model_name(index, False))
         if os.path.isdir(sharded_dir):
             state = {"model": get_model_state_dict(model)}
-            _dcp_load(state, sharded_dir, f"model {index}")
+            _dcp_load(state, sharded_dir, f"model {index}", allow_pickle)
             set_model_state_dict(model, state["model"])
         elif os.path.isfile(full_file):
-            set_model_state_dict(model, _read_full(run, full_file), options=_broadcast_options())
+            set_model_state_dict(model, _read_full(run, full_file, allow_pickle), options=_broadcast_options())
         else:
             raise FSDPCheckpointError(
                 f"fsdp: {directory} holds no state for model {index}: neither {model_name(index, True)}/ (sharded) nor "
@@ -200,10 +207,10 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
             full_opt = os.path.join(directory, optimizer_name(optimizer_index, False))
             if os.path.isdir(sharded_opt):
                 state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-                _dcp_load(state, sharded_opt, f"optimizer {optimizer_index}")
+                _dcp_load(state, sharded_opt, f"optimizer {optimizer_index}", allow_pickle)
                 set_optimizer_state_dict(model, optimizer, state["optimizer"])
             elif os.path.isfile(full_opt):
-                _load_full_optimizer(run, model, optimizer, full_opt)
+                _load_full_optimizer(run, model, optimizer, full_opt, allow_pickle)
             else:
                 raise FSDPCheckpointError(f"fsdp: {directory} holds no state for optimizer {optimizer_index} "
                                           f"({optimizer_name(optimizer_index, True)}/ or "
@@ -216,7 +223,7 @@ def _broadcast_options() -> Any:
     return _options(full_state_dict=True, broadcast_from_rank0=True) if _distributed() else _options(full_state_dict=True)
 
 
-def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, path: str) -> None:
+def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, path: str, allow_pickle: bool) -> None:
     """Load a full optimizer state dict into a sharded optimizer.
 
     torch's ``set_optimizer_state_dict`` cannot distribute a full state to an optimizer that keeps
@@ -224,7 +231,7 @@ def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, path: str)
     optimizer's whole state is its param groups' hyperparameters, which are restored directly —
     read on rank 0 and broadcast, as the tensors would be.
     """
-    full = _read_full(run, path)
+    full = _read_full(run, path, allow_pickle)
     local = get_optimizer_state_dict(model, optimizer)  # also creates lazily-made state, as loading would
     keeps_tensors = any(isinstance(value, torch.Tensor) and value.dim() > 0
                         for per_param in local.get("state", {}).values() for value in per_param.values())
@@ -243,17 +250,18 @@ def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, path: str)
         group.update(saved)
 
 
-def _read_full(run: RunContext, path: str) -> dict[str, Any]:
+def _read_full(run: RunContext, path: str, allow_pickle: bool) -> dict[str, Any]:
     if _distributed() and not run.cluster.is_main_process:
         return {}
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_pickled(path, "a full FSDP state dict", allow_pickle=allow_pickle)
 
 
-def _dcp_load(state: dict[str, Any], path: str, what: str) -> None:
+def _dcp_load(state: dict[str, Any], path: str, what: str, allow_pickle: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+        dcp.load(state, storage_reader=safe_dcp.reader(path, allow_pickle),
+                 planner=safe_dcp.planner(path, allow_pickle), no_dist=not _distributed())
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
@@ -264,16 +272,16 @@ def _dcp_load(state: dict[str, Any], path: str, what: str) -> None:
 # -- export -------------------------------------------------------------------------------------
 
 
-def read_sharded_model(path: str) -> dict[str, torch.Tensor]:
+def read_sharded_model(path: str, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """The full model state dict of one ``pytorch_model_fsdp_<i>/`` DCP directory, in this process
-    (no process group): every shard is read and assembled."""
-    from torch.distributed.checkpoint import FileSystemReader
+    (no process group): every shard is read and assembled (safely unless ``allow_pickle``)."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys={"model"}),
+        _load_state_dict(state, storage_reader=safe_dcp.reader(path, allow_pickle),
+                         planner=safe_dcp.planner(path, allow_pickle, _EmptyStateDictLoadPlanner, keys={"model"}),
                          no_dist=True)
     except (KeyboardInterrupt, SystemExit):
         raise

@@ -206,8 +206,9 @@ class FSDPStrategy:
         return fsdp_checkpoint.save_state(run, prepared, directory, fsdp_options(run).state_dict_type)
 
     @hookimpl
-    def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> bool:
-        fsdp_checkpoint.load_state(run, prepared, directory)
+    def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str,
+                                     allow_pickle: bool) -> bool:
+        fsdp_checkpoint.load_state(run, prepared, directory, allow_pickle)
         return True
 
     @hookimpl

@@ -1,0 +1,207 @@
+"""``load_state``: find, verify, check and restore a committed checkpoint (the load half of
+:class:`~torchrig.checkpoint.manager.CheckpointManager`).
+
+Rank 0 resolves the directory (the newest committed checkpoint; a damaged newer one is an error
+unless ``skip_damaged``), validates its manifest, verifies the files against it (confined,
+regular, sized; hashed when asked) and refuses a changed configuration or world size; every rank
+then restores. Every pickle-based file is read with the restricted unpickler unless
+``allow_pickle`` (:mod:`torchrig.checkpoint.trust`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from torchrig.checkpoint import layout
+from torchrig.checkpoint.files import CheckpointError
+from torchrig.checkpoint.state import FINGERPRINT_SECTIONS, comparable_data_order, diff, reseed_rng, restore_rng
+from torchrig.checkpoint.trust import load_pickled
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchrig.checkpoint.manager import CheckpointManager
+
+_PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def load(manager: CheckpointManager, input_dir: str | os.PathLike[str] | None, *, allow_config_change: bool,
+         allow_world_size_change: bool, verify_hashes: bool, allow_pickle: bool, skip_damaged: bool) -> str:
+    accelerator = manager._accelerator
+    rank = accelerator._run.cluster.rank
+    collectives = manager._collectives()
+    found: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            directory = resolve(manager, input_dir, skip_damaged)
+            manifest = layout.load_manifest(directory)
+            layout.verify(directory, manifest, hashes=verify_hashes)
+            check_compatible(manager, directory, manifest, allow_config_change, allow_world_size_change)
+            found = {"directory": directory}
+        except CheckpointError as exc:
+            found = {"error": str(exc)}
+    found = collectives.broadcast_object_list([found])[0]
+    if "error" in found:
+        raise CheckpointError(found["error"])
+    directory = found["directory"]
+    error = None
+    try:
+        try:
+            manifest = layout.load_manifest(directory)
+        except CheckpointError as exc:
+            raise CheckpointError(f"rank {rank} cannot read the manifest of {directory} (is the directory on a disk "
+                                  f"this node can see?): {exc}") from exc
+        restore(manager, directory, manifest, allow_pickle)
+    except _PASS_THROUGH:
+        raise
+    except BaseException as exc:
+        error = f"rank {rank}: {describe(exc)}"
+    errors = [e for e in collectives.gather_object([error]) if e]
+    if errors:  # every rank raises, none waits for a rank that failed
+        raise CheckpointError(f"loading {directory} failed; the prepared objects are partly loaded, load again "
+                              "or restart: " + "; ".join(errors))
+    if rank == 0:
+        layout.remove_leftovers(os.path.dirname(directory))
+    return directory
+
+
+def resolve(manager: CheckpointManager, input_dir: str | os.PathLike[str] | None, skip_damaged: bool) -> str:
+    project = manager._project
+    if input_dir is None:
+        if not project.automatic_checkpoint_naming and not project.project_dir:
+            raise CheckpointError("load_state() needs a checkpoint directory: pass load_state(input_dir) or set "
+                                  "a project_dir with automatic_checkpoint_naming")
+        root = manager.checkpoints_root()
+        latest = layout.latest_checkpoint(root, skip_damaged=skip_damaged)
+        if latest is None:
+            unfinished = len(list(layout.leftovers(root)))
+            extra = f" ({unfinished} unfinished save(s) there are ignored)" if unfinished else ""
+            raise CheckpointError(f"no committed checkpoint in {root}{extra}; to start fresh, do not call "
+                                  "load_state() (see Accelerator.latest_checkpoint())")
+        return latest
+    directory = os.path.abspath(os.fspath(input_dir))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"cannot resume from {directory}: no such directory")
+    if layout.has_manifest_file(directory):  # a checkpoint: its manifest must be valid (raises naming the field)
+        layout.load_manifest(directory)
+        return directory
+    latest = layout.latest_checkpoint(directory, skip_damaged=skip_damaged)
+    if latest is not None:
+        return latest
+    raise CheckpointError(f"cannot resume from {directory}: it is not a committed torchrig checkpoint (no "
+                          f"{layout.MANIFEST_NAME}: the save that wrote it did not finish) and holds none")
+
+
+def check_compatible(manager: CheckpointManager, directory: str, manifest: Mapping[str, Any],
+                     allow_config_change: bool, allow_world_size_change: bool) -> None:
+    accelerator = manager._accelerator
+    problems = []
+    world = accelerator._run.cluster.world_size
+    saved_world = manifest["world_size"]
+    if saved_world != world and not allow_world_size_change:
+        problems.append(f"world size: checkpoint {saved_world}, now {world} (pass "
+                        "load_state(..., allow_world_size_change=True) to convert; see docs/checkpoints.md)")
+    config_keys, data_order = manager._fingerprint()
+    saved = manifest.get("fingerprint", {})
+    saved_config = dict(saved.get("config", {}))
+    saved_order, data_order = comparable_data_order(saved.get("data_order") or [], data_order,
+                                                    accelerator._dataloaders)
+    if saved_world != world:
+        # What follows from the world size is not a configuration change: the strategy
+        # (single <-> data parallel; the strategy's load hook refuses formats it cannot
+        # read), its options, and the global batch size.
+        for keys in (saved_config, config_keys):
+            for key in [k for k in keys if k == "strategy" or "." in k and k.split(".")[0] not in FINGERPRINT_SECTIONS]:
+                del keys[key]
+        saved_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in saved_order]
+        data_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in data_order]
+    if not allow_config_change:
+        lines = diff(saved_config, config_keys)
+        if saved.get("data_order") is not None and saved_order != data_order:
+            lines.extend(f"data order, dataloader {line}" for line in diff(
+                {str(i): v for i, v in enumerate(saved_order)}, {str(i): v for i, v in enumerate(data_order)}))
+        if lines:
+            problems.append("configuration changed since the checkpoint (pass load_state(..., "
+                            "allow_config_change=True) to load anyway):\n    " + "\n    ".join(lines))
+    contents = manifest.get("contents", {})
+    for name, have in (("models", len(accelerator._models)), ("schedulers", len(accelerator._schedulers)),
+                       ("dataloaders", len(accelerator._dataloaders)),
+                       ("custom_objects", len(manager.custom_objects))):
+        if contents.get(name, have) != have:
+            problems.append(f"{name}: the checkpoint has {contents.get(name)}, this run prepared/registered {have}")
+    if problems:
+        raise CheckpointError(f"cannot load {directory}: " + "; ".join(problems))
+
+
+def _custom_file(directory: str, index: int, listed: set[str]) -> str | None:
+    """The file of registered object ``index``: safetensors now; ``.bin`` (restricted pickle) or
+    ``.pkl`` (checkpoints before issue 18) otherwise. Only files the manifest lists count."""
+    for suffix in (".safetensors", ".bin", ".pkl"):
+        name = f"custom_checkpoint_{index}{suffix}"
+        if name in listed:
+            return name
+    return None
+
+
+def restore(manager: CheckpointManager, directory: str, manifest: Mapping[str, Any], allow_pickle: bool) -> None:
+    from torchrig.state_dicts import load_structured
+
+    accelerator = manager._accelerator
+    run = accelerator._run
+    rank = run.cluster.rank
+    listed = {entry["path"] for entry in manifest["files"]}
+    prepared = list(accelerator._models)
+    if manager.load_pre_hooks:
+        models = [item.model for item in prepared]
+        kept = list(models)
+        for hook in manager.load_pre_hooks.values():
+            hook(kept, directory)
+        prepared = [item for item, model in zip(prepared, models) if any(m is model for m in kept)]
+    try:
+        accelerator._host.hook.torchrig_load_strategy_state(run=run, prepared=prepared, directory=directory,
+                                                            manifest=manifest, allow_pickle=allow_pickle)
+    except _PASS_THROUGH:
+        raise
+    except BaseException as exc:  # DCP raises BaseException subclasses
+        raise CheckpointError(f"cannot load the models and optimizers of {directory}: {describe(exc)}") from exc
+
+    def read(name: str, what: str) -> Any:
+        if name not in listed:
+            raise CheckpointError(f"{directory} has no {name} ({what}) in its manifest")
+        return load_pickled(os.path.join(directory, name), what, allow_pickle=allow_pickle)
+
+    for index, scheduler in enumerate(accelerator._schedulers):
+        scheduler.load_state_dict(read(layout.numbered("scheduler", index, ".bin"), f"scheduler {index}"))
+    for index, loader in enumerate(accelerator._dataloaders):
+        name = layout.numbered("dl_state_dict", index, ".bin")
+        if hasattr(loader, "load_state_dict") and name in listed:
+            loader.load_state_dict(read(name, f"dataloader {index}"))
+    for name, obj in manager._plugin_state().items():
+        path = f"{name}.pt"
+        if path not in listed:
+            raise CheckpointError(f"{directory} has no {path} for the plugin state {name!r} this run has (was it "
+                                  "saved with another precision or strategy?)")
+        obj.load_state_dict(read(path, f"plugin state {name!r}"))
+    for index, obj in enumerate(manager.custom_objects):
+        name = _custom_file(directory, index, listed)
+        if name is None:
+            raise CheckpointError(f"{directory} has no file for registered object {index} ({type(obj).__name__})")
+        if name.endswith(".safetensors"):
+            obj.load_state_dict(load_structured(directory, name[:-len(".safetensors")]))
+        else:
+            obj.load_state_dict(read(name, f"registered object {index} ({type(obj).__name__})"))
+    rng_file = f"random_states_{rank}.pkl"
+    if rng_file in listed:
+        restore_rng(read(rng_file, f"the RNG state of rank {rank}"))
+    else:
+        reseed_rng(manifest["sequence"], rank)
+    accelerator.gradient_state.step = manifest.get("accumulation_step", 0)
+    if manifest.get("iteration") is not None:
+        manager.iteration = manifest["iteration"] + 1
+
+
+__all__ = ["check_compatible", "describe", "load", "resolve", "restore"]
