@@ -1,0 +1,168 @@
+"""Offline stand-ins for what Accelerate's examples download: the only thing the ported examples change.
+
+Each ported example replaces its import of ``evaluate``, ``datasets.load_dataset``, ``transformers.Auto*`` (and, for
+the CV example, ``timm.create_model`` and four ``torchvision`` transforms) with the names below, which keep the
+upstream call signatures, so every other line of the example — and every line that touches Accelerate — runs as
+written. The stand-ins are deliberately small (a 2-layer, 32-wide randomly initialised model, a generated vocabulary,
+a few dozen synthetic GLUE-MRPC-like rows) so that a whole example trains for an epoch in seconds on a CPU.
+
+Nothing here is a fake of the thing under test: the models are real ``transformers`` models, the tokenizer is a real
+``BertTokenizerFast`` (over a vocabulary written to a temporary file), the rows are real ``datasets.Dataset`` objects.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from datasets import Dataset, DatasetDict
+from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast, LlamaConfig, LlamaForCausalLM
+
+TRAIN_ROWS = 64  # GLUE-MRPC-like training rows (upstream: 3,668)
+VALIDATION_ROWS = 40  # uneven over 2 ranks with the examples' eval batch of 32: exercises the last-batch handling
+TEXT_ROWS = 48  # wikitext-like lines for the causal-LM examples
+MAX_LENGTH = 64  # model_max_length of the tokenizer and max_position_embeddings of the models
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = ["".join(parts) for parts in itertools.product("bdfklmnprst", "aeiou", "nrs")][:150]
+_tokenizer_dir: Path | None = None
+
+
+def _vocab_file() -> Path:
+    """Write the generated vocabulary once per process (a temporary directory removed at interpreter exit)."""
+    global _tokenizer_dir
+    if _tokenizer_dir is None:
+        _tokenizer_dir = Path(tempfile.mkdtemp(prefix="offline-vocab-"))
+        (_tokenizer_dir / "vocab.txt").write_text("\n".join(SPECIAL_TOKENS + WORDS) + "\n")
+        atexit.register(shutil.rmtree, _tokenizer_dir, True)
+    return _tokenizer_dir / "vocab.txt"
+
+
+class AutoTokenizer:
+    """``AutoTokenizer.from_pretrained(name)``: a WordPiece tokenizer over the generated vocabulary, whatever the name.
+    It has an ``eos_token`` so the causal-LM examples' ``tokenizer.pad_token = tokenizer.eos_token`` works."""
+
+    @staticmethod
+    def from_pretrained(name_or_path: str, **kwargs) -> BertTokenizerFast:
+        return BertTokenizerFast(vocab_file=str(_vocab_file()), model_max_length=MAX_LENGTH, eos_token="[SEP]",
+                                 bos_token="[CLS]")
+
+
+def tiny_bert_config(num_labels: int = 2) -> BertConfig:
+    return BertConfig(vocab_size=len(SPECIAL_TOKENS) + len(WORDS), hidden_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, intermediate_size=64, max_position_embeddings=MAX_LENGTH,
+                      num_labels=num_labels)
+
+
+def tiny_llama_config() -> LlamaConfig:
+    return LlamaConfig(vocab_size=len(SPECIAL_TOKENS) + len(WORDS), hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                       max_position_embeddings=MAX_LENGTH, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+
+
+class AutoModelForSequenceClassification:
+    """``from_pretrained("bert-base-cased", ...)``: a randomly initialised 2-layer BERT (the caller seeds first)."""
+
+    @staticmethod
+    def from_pretrained(name_or_path: str, return_dict: bool = True, **kwargs) -> BertForSequenceClassification:
+        return BertForSequenceClassification(tiny_bert_config())
+
+
+class AutoConfig:
+    @staticmethod
+    def from_pretrained(name_or_path: str, **kwargs) -> LlamaConfig:
+        return tiny_llama_config()
+
+
+class AutoModelForCausalLM:
+    """``from_pretrained(...)`` / ``from_config(...)``: a randomly initialised 2-layer Llama."""
+
+    @staticmethod
+    def from_pretrained(name_or_path: str, config: LlamaConfig | None = None, **kwargs) -> LlamaForCausalLM:
+        return LlamaForCausalLM(config or tiny_llama_config())
+
+    @staticmethod
+    def from_config(config: LlamaConfig, **kwargs) -> LlamaForCausalLM:
+        return LlamaForCausalLM(config)
+
+
+def _sentence(rng: random.Random) -> list[str]:
+    return rng.sample(WORDS, rng.randint(4, 10))
+
+
+def _mrpc_rows(count: int, seed: int) -> dict[str, list]:
+    """Sentence pairs whose label says whether the second reuses the first one's words (a paraphrase, learnable)."""
+    rng = random.Random(seed)
+    rows: dict[str, list] = {"sentence1": [], "sentence2": [], "label": [], "idx": []}
+    for idx in range(count):
+        first = _sentence(rng)
+        label = idx % 2
+        second = rng.sample(first, len(first)) if label else _sentence(rng)
+        rows["sentence1"].append(" ".join(first))
+        rows["sentence2"].append(" ".join(second))
+        rows["label"].append(label)
+        rows["idx"].append(idx)
+    return rows
+
+
+def _text_rows(count: int, seed: int) -> dict[str, list]:
+    """wikitext-like lines, a few of them empty as in wikitext (the examples filter those out)."""
+    rng = random.Random(seed)
+    return {"text": ["" if i % 7 == 3 else " ".join(_sentence(rng) + _sentence(rng)) for i in range(count)]}
+
+
+def load_dataset(path: str, name: str | None = None, **kwargs) -> DatasetDict:
+    """``load_dataset("nyu-mll/glue", "mrpc")`` or a text corpus (``wikitext``): small synthetic splits."""
+    if "glue" in path:
+        return DatasetDict(train=Dataset.from_dict(_mrpc_rows(TRAIN_ROWS, seed=0)),
+                           validation=Dataset.from_dict(_mrpc_rows(VALIDATION_ROWS, seed=1)),
+                           test=Dataset.from_dict(_mrpc_rows(VALIDATION_ROWS, seed=2)))
+    return DatasetDict(train=Dataset.from_dict(_text_rows(TEXT_ROWS, seed=0)),
+                       validation=Dataset.from_dict(_text_rows(TEXT_ROWS // 3, seed=1)),
+                       test=Dataset.from_dict(_text_rows(TEXT_ROWS // 3, seed=2)))
+
+
+class ClassificationMetric:
+    """``evaluate.load("glue", "mrpc")`` / ``evaluate.load("accuracy")``: accumulate with ``add_batch``, ``compute``
+    returns accuracy (and binary F1 for MRPC) over everything added since the last ``compute`` and resets."""
+
+    def __init__(self, with_f1: bool) -> None:
+        self.with_f1 = with_f1
+        self.predictions: list[np.ndarray] = []
+        self.references: list[np.ndarray] = []
+
+    def add_batch(self, *, predictions, references) -> None:
+        self.predictions.append(np.asarray(torch.as_tensor(predictions).cpu()).reshape(-1))
+        self.references.append(np.asarray(torch.as_tensor(references).cpu()).reshape(-1))
+
+    def compute(self, *, predictions=None, references=None) -> dict[str, float]:
+        if predictions is not None:
+            self.add_batch(predictions=predictions, references=references)
+        preds = np.concatenate(self.predictions) if self.predictions else np.zeros(0, dtype=int)
+        refs = np.concatenate(self.references) if self.references else np.zeros(0, dtype=int)
+        self.predictions, self.references = [], []
+        if len(preds) != len(refs):
+            raise ValueError(f"{len(preds)} predictions for {len(refs)} references")
+        result = {"accuracy": float((preds == refs).mean()) if len(refs) else 0.0}
+        if self.with_f1:
+            true_pos = int(((preds == 1) & (refs == 1)).sum())
+            denominator = int((preds == 1).sum() + (refs == 1).sum())
+            result["f1"] = 2 * true_pos / denominator if denominator else 0.0
+        return result
+
+
+def _load_metric(path: str, config_name: str | None = None, **kwargs) -> ClassificationMetric:
+    if path == "glue" and config_name in ("mrpc", "qqp"):
+        return ClassificationMetric(with_f1=True)
+    if path == "accuracy":
+        return ClassificationMetric(with_f1=False)
+    raise ValueError(f"no offline stand-in for the metric {path!r} {config_name!r}")
+
+
+evaluate = SimpleNamespace(load=_load_metric)
