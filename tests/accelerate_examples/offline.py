@@ -26,7 +26,7 @@ from datasets import Dataset, DatasetDict
 from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast, LlamaConfig, LlamaForCausalLM
 
 TRAIN_ROWS = 64  # GLUE-MRPC-like training rows (upstream: 3,668)
-VALIDATION_ROWS = 40  # uneven over 2 ranks with the examples' eval batch of 32: exercises the last-batch handling
+VALIDATION_ROWS = 41  # odd: on 2 ranks the sampler pads one duplicate that gather_for_metrics must drop
 TEXT_ROWS = 48  # wikitext-like lines for the causal-LM examples
 MAX_LENGTH = 64  # model_max_length of the tokenizer and max_position_embeddings of the models
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -130,7 +130,9 @@ def load_dataset(path: str, name: str | None = None, **kwargs) -> DatasetDict:
 
 class ClassificationMetric:
     """``evaluate.load("glue", "mrpc")`` / ``evaluate.load("accuracy")``: accumulate with ``add_batch``, ``compute``
-    returns accuracy (and binary F1 for MRPC) over everything added since the last ``compute`` and resets."""
+    returns accuracy (and binary F1 for MRPC) over everything added since the last ``compute`` and resets.
+    Unlike ``evaluate`` it also reports ``samples``, the number of predictions it saw: the tests check with it that
+    ``gather_for_metrics`` counted every evaluation row exactly once on 2 ranks (no padding duplicate)."""
 
     def __init__(self, with_f1: bool) -> None:
         self.with_f1 = with_f1
@@ -149,11 +151,12 @@ class ClassificationMetric:
         self.predictions, self.references = [], []
         if len(preds) != len(refs):
             raise ValueError(f"{len(preds)} predictions for {len(refs)} references")
-        result = {"accuracy": float((preds == refs).mean()) if len(refs) else 0.0}
+        result: dict[str, float] = {"accuracy": float((preds == refs).mean()) if len(refs) else 0.0}
         if self.with_f1:
             true_pos = int(((preds == 1) & (refs == 1)).sum())
             denominator = int((preds == 1).sum() + (refs == 1).sum())
             result["f1"] = 2 * true_pos / denominator if denominator else 0.0
+        result["samples"] = len(refs)
         return result
 
 
