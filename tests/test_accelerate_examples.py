@@ -41,6 +41,7 @@ class Example:
     script: str
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    launch: list[str] = field(default_factory=list)  # extra `accelerate launch` flags (before the script)
 
     @property
     def id(self) -> str:
@@ -98,8 +99,8 @@ def run_example(example: Example, processes: int, tmp_path: Path, guard, args: l
     if processes == 1:
         command = [sys.executable, example.script, *script_args]
     else:
-        accelerate_command = (f"accelerate launch --cpu --num_processes {processes} {example.script} "
-                              + shlex.join(script_args))
+        accelerate_command = shlex.join(["accelerate", "launch", "--cpu", "--num_processes", str(processes),
+                                         *example.launch, example.script, *script_args])
         renamed = shlex.split(rename(accelerate_command))
         assert renamed[0] == "torchrig", renamed
         command = [sys.executable, "-m", "torchrig", *renamed[1:2], "--log_dir", str(log_dir), *renamed[2:]]
@@ -244,3 +245,113 @@ def test_tracking_logs_to_every_available_tracker(processes, tmp_path, process_g
     configs = [e["config"] for e in events if e["event"] == "config"]
     assert len(configs) == 1 and configs[0]["batch_size"] == 16, configs  # the example's init_trackers(run, config)
     assert list((logs / "tracking").glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+
+@_needs("torchrig.utils", "ProfileKwargs")
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("processes", PROCESSES)
+def test_profiler_writes_a_chrome_trace_per_rank(processes, tmp_path, process_guard):
+    """profiler.py: ``accelerator.profile()`` with ``ProfileKwargs(output_trace_dir=...)`` prints the operator table
+    on the main process and writes ``profile_<process_index>.json`` (Accelerate's names) for every rank."""
+    run = run_example(Example("profiler.py"), processes, tmp_path, process_guard,
+                      args=["--cpu", "--record_shapes", "--output_trace_dir", "traces"])
+    assert assert_trained(run)["samples"] == VALIDATION_ROWS
+    assert "Self CPU time total" in run.stdout, run.stdout[-3000:]  # prof.key_averages().table(...)
+    traces = sorted(p.name for p in (run.workdir / "traces").iterdir())
+    assert traces == [f"profile_{rank}.json" for rank in range(processes)], traces
+    for name in traces:
+        events = json.loads((run.workdir / "traces" / name).read_text())["traceEvents"]
+        assert any("aten::" in str(event.get("name", "")) for event in events), name
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("processes", PROCESSES)
+def test_gradient_accumulation_for_autoregressive_models_steps_once_per_accumulation(processes, tmp_path,
+                                                                                     process_guard):
+    """The causal-LM example (tiny Llama): it pre-loads ``gradient_accumulation_steps`` batches, gathers the token
+    count across ranks, uses ``model.no_sync`` on DDP, clips and steps once per accumulation."""
+    run = run_example(Example("gradient_accumulation_for_autoregressive_models.py"), processes, tmp_path,
+                      process_guard, args=["--cpu", "--gradient_accumulation_steps", "2"])
+    assert run.returncode == 0, run.stderr[-6000:]
+    updates = run.lines(re.compile(r"^epoch 0 - update step (\d+):: grad norm: (\S+) ::train loss: (\S+)$"))
+    # 40 selected lines minus 6 empty ones, batches of 2 per rank (the last padded to even), 2 per update
+    batches_per_rank = -(-34 // (2 * processes))
+    assert [int(m.group(1)) for _, m in updates] == list(range(-(-batches_per_rank // 2))), run.stdout[-3000:]
+    assert {rank for rank, _ in updates} == {0}
+    assert all(0 < float(m.group(2)) < float("inf") and 0 < float(m.group(3)) < 100 for _, m in updates)
+    assert run.lines(re.compile(r"^epoch 0:: eval perplexity: \S+ eval_loss: \S+$")), run.stdout[-3000:]
+
+
+# Accelerate's examples/deepspeed_config_templates/zero_stage2_config.json with fp16 off (DeepSpeed has no fp16 on
+# CPU): its "optimizer" and "scheduler" sections make the example build DummyOptim/DummyScheduler.
+ZERO2_CONFIG = {
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True,
+                                              "adam_w_mode": True}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto",
+                          "contiguous_gradients": True},
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+
+
+@_needs("torchrig.utils", "DummyOptim")
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("processes", PROCESSES)
+def test_deepspeed_with_config_support_trains_from_the_json_config(processes, tmp_path, process_guard):
+    """deepspeed_with_config_support.py (tiny Llama): on 2 processes under ``--use_deepspeed
+    --deepspeed_config_file`` the optimizer and scheduler come from the JSON (DummyOptim/DummyScheduler), ZeRO-2
+    over gloo; on 1 process (no launcher) it trains with torch's AdamW. Either way it saves the best checkpoint
+    with ``save_state``, reloads it, checks the metric matches, and writes the model with ``accelerator.save``."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "ds_config.json").write_text(json.dumps(ZERO2_CONFIG))
+    example = Example("deepspeed_with_config_support.py",
+                      ["--model_name_or_path", "HuggingFaceTB/SmolLM-360M", "--dataset_name", "Salesforce/wikitext",
+                       "--dataset_config_name", "wikitext-2-raw-v1", "--block_size", "16",
+                       "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
+                       "--num_train_epochs", "1", "--max_train_steps", "4", "--learning_rate", "1e-3",
+                       "--seed", "0", "--load_best_model", "--output_dir", "out"],
+                      launch=["--use_deepspeed", "--deepspeed_config_file", "ds_config.json"])
+    run = run_example(example, processes, tmp_path, process_guard, workdir=work)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    out = work / "out"
+    results = json.loads((out / "all_results.json").read_text())
+    assert 1 < results["perplexity"] < float("inf"), results
+    assert (out / "best_checkpoint").is_dir() and any((out / "best_checkpoint").rglob("*"))
+    assert (out / "config.json").exists() and list(out.glob("*.safetensors")) + list(out.glob("*.bin")), \
+        sorted(p.name for p in out.iterdir())
+    assert "New best metric" in run.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_fsdp_with_peak_mem_tracking_on_every_visible_gpu(tmp_path, process_guard):
+    """fsdp_with_peak_mem_tracking.py measures memory with torch.cuda/xpu/npu only: its ``TorchTracemalloc`` has no
+    CPU branch (``self.end`` is never set, upstream line 142), so on a CPU it raises in Accelerate too. The GPU tier
+    runs it under ``--use_fsdp`` on every visible GPU."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    example = Example("fsdp_with_peak_mem_tracking.py", ["--model_name_or_path", "bert-base-cased",
+                                                           "--checkpointing_steps", "epoch", "--output_dir", "ckpt"])
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / example.script).write_text(rename((EXAMPLES / example.script).read_text()))
+    shutil.copy(EXAMPLES / "offline.py", workdir / "offline.py")
+    command = [sys.executable, "-m", "torchrig", "launch", "--use_fsdp", "--num_processes", str(gpus),
+               "--log_dir", str(tmp_path / "logs"), example.script, *example.args]
+    proc = subprocess.Popen(command, cwd=workdir, env=_environment(tmp_path, {}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process_guard.track(proc)
+    stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT)
+    run = Run(proc.returncode, stdout, stderr, workdir)
+    assert assert_trained(run)["samples"] == VALIDATION_ROWS
+    assert run.lines(re.compile(r"^Peak Memory consumed during the train \(max-begin\): \d+$")), stdout[-3000:]
+    assert (workdir / "ckpt" / "epoch_0").is_dir()
