@@ -130,6 +130,11 @@ def assert_trained(run: Run, epochs: int = 1) -> dict:
 
 
 PROCESSES = [pytest.param(1, id="1proc"), pytest.param(2, id="2proc", marks=pytest.mark.multiprocess)]
+# For the examples whose single-process path is nlp_example's plus one feature, the 1-process run is in the slow
+# tier (``python -m pytest -m slow tests/test_accelerate_examples.py``): the suite has a time budget and each run
+# costs 5-15 s of interpreter start and imports on 2 shared cores. Their 2-process run, always on, covers more.
+PROCESSES_1_SLOW = [pytest.param(1, id="1proc", marks=pytest.mark.slow),
+                    pytest.param(2, id="2proc", marks=pytest.mark.multiprocess)]
 
 
 def _torchrig_provides(module: str, name: str) -> bool:
@@ -149,7 +154,6 @@ VALIDATION_ROWS = 41  # offline.VALIDATION_ROWS: every evaluation row counted on
 
 # Examples whose observable result is the epoch metric line over the whole validation split.
 PLAIN = [
-    pytest.param(Example("nlp_example.py", ["--cpu"]), id="nlp_example"),
     pytest.param(Example("automatic_gradient_accumulation.py", ["--cpu"]), id="automatic_gradient_accumulation"),
     pytest.param(Example("early_stopping.py", ["--cpu"]), id="early_stopping"),
     pytest.param(Example("memory.py", ["--cpu"]), id="memory"),
@@ -167,6 +171,15 @@ PLAIN = [
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
 @pytest.mark.parametrize("processes", PROCESSES)
+def test_nlp_example_trains_and_evaluates_every_row_once(processes, tmp_path, process_guard):
+    """Accelerate's first example: 1 process without a launcher, 2 gloo workers under the renamed launch command;
+    the printed metrics cover each of the 41 validation rows exactly once (the odd row pads rank 1 on 2 ranks)."""
+    metrics = assert_trained(run_example(Example("nlp_example.py", ["--cpu"]), processes, tmp_path, process_guard))
+    assert metrics["samples"] == VALIDATION_ROWS, metrics
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("processes", PROCESSES_1_SLOW)
 @pytest.mark.parametrize("example", PLAIN)
 def test_example_trains_and_evaluates_every_row_once(example, processes, tmp_path, process_guard):
     metrics = assert_trained(run_example(example, processes, tmp_path, process_guard))
@@ -217,7 +230,7 @@ def test_complete_nlp_example_checkpoints_each_epoch(processes, tmp_path, proces
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
-@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("processes", PROCESSES_1_SLOW)
 def test_cross_validation_trains_one_model_per_fold_and_averages_them(processes, tmp_path, process_guard):
     run = run_example(Example("cross_validation.py"), processes, tmp_path, process_guard,
                       args=["--cpu", "--num_folds", "2"])
@@ -231,7 +244,7 @@ def test_cross_validation_trains_one_model_per_fold_and_averages_them(processes,
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
-@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("processes", PROCESSES_1_SLOW)
 def test_tracking_logs_to_every_available_tracker(processes, tmp_path, process_guard):
     """tracking.py with ``log_with="all"``: the epoch metrics reach the trackers' files under ``--project_dir``."""
     run = run_example(Example("tracking.py"), processes, tmp_path, process_guard,
@@ -249,7 +262,7 @@ def test_tracking_logs_to_every_available_tracker(processes, tmp_path, process_g
 
 @_needs("torchrig.utils", "ProfileKwargs")
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
-@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("processes", PROCESSES_1_SLOW)
 def test_profiler_writes_a_chrome_trace_per_rank(processes, tmp_path, process_guard):
     """profiler.py: ``accelerator.profile()`` with ``ProfileKwargs(output_trace_dir=...)`` prints the operator table
     on the main process and writes ``profile_<process_index>.json`` (Accelerate's names) for every rank."""
@@ -355,3 +368,30 @@ def test_fsdp_with_peak_mem_tracking_on_every_visible_gpu(tmp_path, process_guar
     assert assert_trained(run)["samples"] == VALIDATION_ROWS
     assert run.lines(re.compile(r"^Peak Memory consumed during the train \(max-begin\): \d+$")), stdout[-3000:]
     assert (workdir / "ckpt" / "epoch_0").is_dir()
+
+
+CV_EPOCH_LINE = re.compile(r"^epoch (\d+): (\d+\.\d\d)$")
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("script", ["cv_example.py", pytest.param("complete_cv_example.py", marks=pytest.mark.slow)])
+def test_cv_examples_train_on_pet_images_read_from_disk(script, processes, tmp_path, process_guard):
+    """The CV examples read ``<label>_<n>.jpg`` files from ``--data_dir`` (real JPEGs written here), split them
+    80/20 and fine-tune the classifier head; the complete one also saves a checkpoint per epoch."""
+    from accelerate_examples.offline import write_pet_images
+
+    images = write_pet_images(tmp_path / "pets")
+    args = ["--cpu", "--data_dir", str(tmp_path / "pets")]
+    if script == "complete_cv_example.py":
+        args += ["--checkpointing_steps", "epoch", "--output_dir", "ckpt"]
+    run = run_example(Example(script), processes, tmp_path, process_guard, args=args)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    printed = run.lines(CV_EPOCH_LINE)
+    assert [(rank, m.group(1)) for rank, m in printed] == [(0, "0")], run.stdout[-3000:]
+    evaluated = images - int(0.8 * images)
+    correct = float(printed[0][1].group(2)) * evaluated / 100  # a whole number of the evaluated images
+    assert abs(correct - round(correct)) < 1e-6, (printed[0][1].group(0), evaluated)
+    if script == "complete_cv_example.py":
+        assert [p.name for p in (run.workdir / "ckpt").iterdir()] == ["epoch_0"]
+        assert (run.workdir / "ckpt" / "epoch_0" / "model.safetensors").exists()

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from datasets import Dataset, DatasetDict
+from PIL import Image
 from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast, LlamaConfig, LlamaForCausalLM
 
 TRAIN_ROWS = 64  # GLUE-MRPC-like training rows (upstream: 3,668)
@@ -169,3 +170,88 @@ def _load_metric(path: str, config_name: str | None = None, **kwargs) -> Classif
 
 
 evaluate = SimpleNamespace(load=_load_metric)
+
+
+# -- the CV examples: timm's create_model and four torchvision transforms ---------------------------------------------
+
+
+class TinyConvNet(torch.nn.Module):
+    """Stands in for timm's ``resnet50d``: a feature extractor and a ``get_classifier()`` head (the example freezes
+    everything but the head) and timm's ``default_cfg`` normalisation constants."""
+
+    default_cfg = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
+                                            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+        self.fc = torch.nn.Linear(8, num_classes)
+
+    def get_classifier(self) -> torch.nn.Module:
+        return self.fc
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(images))
+
+
+def create_model(name: str, pretrained: bool = False, num_classes: int = 1000, **kwargs) -> TinyConvNet:
+    """``timm.create_model(...)``: a randomly initialised tiny CNN whatever the name (no download)."""
+    return TinyConvNet(num_classes)
+
+
+def _size(size) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+class Compose:
+    def __init__(self, transforms) -> None:
+        self.transforms = list(transforms)
+
+    def __call__(self, image):
+        for transform in self.transforms:
+            image = transform(image)
+        return image
+
+
+class Resize:
+    """torchvision's ``Resize`` for a (height, width) size, on PIL images."""
+
+    def __init__(self, size) -> None:
+        self.height, self.width = _size(size)
+
+    def __call__(self, image):
+        return image.resize((self.width, self.height))
+
+
+class RandomResizedCrop:
+    """torchvision's ``RandomResizedCrop(size, scale)`` on PIL images (aspect ratio kept, python's RNG)."""
+
+    def __init__(self, size, scale=(0.08, 1.0)) -> None:
+        self.height, self.width = _size(size)
+        self.scale = scale
+
+    def __call__(self, image):
+        width, height = image.size
+        side = max(1, int(min(width, height) * random.uniform(*self.scale) ** 0.5))
+        left, top = random.randint(0, width - side), random.randint(0, height - side)
+        return image.crop((left, top, left + side, top + side)).resize((self.width, self.height))
+
+
+class ToTensor:
+    """torchvision's ``ToTensor``: HWC uint8 -> CHW float in [0, 1]."""
+
+    def __call__(self, image) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1).contiguous()
+
+
+def write_pet_images(data_dir: Path, labels: tuple[str, ...] = ("abyssinian", "beagle"), per_label: int = 20) -> int:
+    """Small JPEGs named like the Oxford-IIIT Pet files the CV examples read (``<label>_<n>.jpg``), the labels told
+    apart by colour. Returns how many were written."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for index, label in enumerate(labels):
+        for n in range(per_label):
+            pixels = rng.integers(0, 60, size=(40, 48, 3), dtype=np.uint8)
+            pixels[..., index % 3] += 150
+            Image.fromarray(pixels).save(data_dir / f"{label}_{n}.jpg")
+    return len(labels) * per_label

@@ -435,7 +435,7 @@ def resolve_config(
     flag_values = flags if flags is not None else _guarded_flags(problems, environ)
     layers.append(_flag_entries(schema, flag_values, problems))
 
-    winners, override_messages = _merge(layers)
+    winners, override_messages = _merge(schema, layers)
     values = _coerce_all(schema, winners, problems)
     _resolve_plugin_names(schema, values, winners, problems)
     core, sections = _build(schema, values, winners, problems)
@@ -493,7 +493,19 @@ def _defaults(schema: Schema) -> dict[str, Entry]:
     return entries
 
 
-def _merge(layers: list[dict[str, Entry]]) -> tuple[dict[str, Entry], list[tuple[str, str]]]:
+def _coerced(schema: Schema, key: str, entry: Entry) -> Any:
+    """``entry``'s value as the option's type, or the raw value where it does not coerce (reported later)."""
+    try:
+        spec = schema.spec(key)
+        value = spec.info.normalize(entry.value) if spec.info.normalize is not None else entry.value
+        return coerce(value, spec.type, entry.raw)
+    except (CoercionError, KeyError, TypeError, ValueError):
+        return entry.value
+
+
+def _merge(schema: Schema, layers: list[dict[str, Entry]]) -> tuple[dict[str, Entry], list[tuple[str, str]]]:
+    """Later layers win; an argument the script passed that a launcher layer overrides with a *different* value
+    (compared as the option's type: a flag's ``'true'`` equals the script's ``True``) is reported."""
     winners: dict[str, Entry] = {}
     overrides: list[tuple[str, str]] = []
     for layer in layers:
@@ -504,6 +516,7 @@ def _merge(layers: list[dict[str, Entry]]) -> tuple[dict[str, Entry], list[tuple
                 and previous.source.layer is Layer.ARGUMENT
                 and entry.source.layer > Layer.ARGUMENT
                 and entry.value != previous.value
+                and _coerced(schema, key, entry) != _coerced(schema, key, previous)
             ):
                 overrides.append(
                     (key, f"{key}: the script's {previous.source.detail} = {previous.value!r} is overridden by "
