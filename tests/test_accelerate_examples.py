@@ -146,8 +146,8 @@ def _torchrig_provides(module: str, name: str) -> bool:
 
 
 def _needs(module: str, name: str):
-    return pytest.mark.skipif(not _torchrig_provides(module, name),
-                              reason=f"{module}.{name} is not in torchrig yet (issue 17: helper 'features' adds it)")
+    reason = f"the example imports {module}.{name}, which torchrig does not provide here yet (issue 17)"
+    return pytest.mark.skipif(not _torchrig_provides(module, name), reason=reason)
 
 
 VALIDATION_ROWS = 41  # offline.VALIDATION_ROWS: every evaluation row counted once, on 1 rank or 2

@@ -179,10 +179,9 @@ class TinyConvNet(torch.nn.Module):
     """Stands in for timm's ``resnet50d``: a feature extractor and a ``get_classifier()`` head (the example freezes
     everything but the head) and timm's ``default_cfg`` normalisation constants."""
 
-    default_cfg = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
-
     def __init__(self, num_classes: int) -> None:
         super().__init__()
+        self.default_cfg = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
         self.features = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
                                             torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
         self.fc = torch.nn.Linear(8, num_classes)
