@@ -121,7 +121,8 @@ def run_example(example: Example, processes: int, tmp_path: Path, guard, args: l
 def assert_trained(run: Run, epochs: int = 1) -> dict:
     """The run succeeded and printed one metric line per epoch (once: only the main process prints);
     returns the last epoch's metrics."""
-    assert run.returncode == 0, f"exit {run.returncode}\n--- stdout\n{run.stdout[-4000:]}\n--- stderr\n{run.stderr[-6000:]}"
+    assert run.returncode == 0, (f"exit {run.returncode}\n--- stdout\n{run.stdout[-4000:]}\n"
+                                 f"--- stderr\n{run.stderr[-6000:]}")
     printed = run.epochs()
     assert list(printed) == list(range(epochs)), run.stdout[-4000:]
     metrics = printed[epochs - 1]
