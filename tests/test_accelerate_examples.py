@@ -319,15 +319,17 @@ ZERO2_CONFIG = {
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
 @pytest.mark.parametrize("processes", PROCESSES)
 def test_deepspeed_with_config_support_trains_from_the_json_config(processes, tmp_path, process_guard):
-    """deepspeed_with_config_support.py (tiny Llama): on 2 processes under ``--use_deepspeed
-    --deepspeed_config_file`` the optimizer and scheduler come from the JSON (DummyOptim/DummyScheduler), ZeRO-2
-    over gloo; on 1 process (no launcher) it trains with torch's AdamW. Either way it saves the best checkpoint
-    with ``save_state``, reloads it, checks the metric matches, and writes the model with ``accelerator.save``."""
+    """deepspeed_with_config_support.py: on 2 processes under ``--use_deepspeed --deepspeed_config_file`` the
+    optimizer and scheduler come from the JSON (DummyOptim/DummyScheduler), ZeRO-2 over gloo; on 1 process (no
+    launcher) it trains with torch's AdamW. Either way it saves the best checkpoint with ``save_state``, reloads it,
+    checks the metric matches, and writes the model with ``accelerator.save``. The model is a tiny GPT-2, as in
+    upstream's README: a bias-free Llama would leave the example's no-decay parameter group empty, which DeepSpeed
+    drops, and the scheduler built on two groups then fails (it would under Accelerate too)."""
     work = tmp_path / "work"
     work.mkdir()
     (work / "ds_config.json").write_text(json.dumps(ZERO2_CONFIG))
     example = Example("deepspeed_with_config_support.py",
-                      ["--model_name_or_path", "HuggingFaceTB/SmolLM-360M", "--dataset_name", "Salesforce/wikitext",
+                      ["--model_name_or_path", "gpt2", "--dataset_name", "Salesforce/wikitext",
                        "--dataset_config_name", "wikitext-2-raw-v1", "--block_size", "16",
                        "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
                        "--num_train_epochs", "1", "--max_train_steps", "4", "--learning_rate", "1e-3",

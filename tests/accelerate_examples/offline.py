@@ -7,16 +7,13 @@ written. The stand-ins are deliberately small (a 2-layer, 32-wide randomly initi
 a few dozen synthetic GLUE-MRPC-like rows) so that a whole example trains for an epoch in seconds on a CPU.
 
 Nothing here is a fake of the thing under test: the models are real ``transformers`` models, the tokenizer is a real
-``BertTokenizerFast`` (over a vocabulary written to a temporary file), the rows are real ``datasets.Dataset`` objects.
+``BertTokenizerFast`` (over the generated vocabulary), the rows are real ``datasets.Dataset`` objects.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +21,17 @@ import numpy as np
 import torch
 from datasets import Dataset, DatasetDict
 from PIL import Image
-from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM as _AutoModelForCausalLM,
+)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    BertTokenizerFast,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedConfig,
+)
 
 TRAIN_ROWS = 64  # GLUE-MRPC-like training rows (upstream: 3,668)
 VALIDATION_ROWS = 41  # odd: on 2 ranks the sampler pads one duplicate that gather_for_metrics must drop
@@ -32,27 +39,17 @@ TEXT_ROWS = 48  # wikitext-like lines for the causal-LM examples
 MAX_LENGTH = 64  # model_max_length of the tokenizer and max_position_embeddings of the models
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ["".join(parts) for parts in itertools.product("bdfklmnprst", "aeiou", "nrs")][:150]
-_tokenizer_dir: Path | None = None
-
-
-def _vocab_file() -> Path:
-    """Write the generated vocabulary once per process (a temporary directory removed at interpreter exit)."""
-    global _tokenizer_dir
-    if _tokenizer_dir is None:
-        _tokenizer_dir = Path(tempfile.mkdtemp(prefix="offline-vocab-"))
-        (_tokenizer_dir / "vocab.txt").write_text("\n".join(SPECIAL_TOKENS + WORDS) + "\n")
-        atexit.register(shutil.rmtree, _tokenizer_dir, True)
-    return _tokenizer_dir / "vocab.txt"
-
-
 class AutoTokenizer:
     """``AutoTokenizer.from_pretrained(name)``: a WordPiece tokenizer over the generated vocabulary, whatever the name.
     It has an ``eos_token`` so the causal-LM examples' ``tokenizer.pad_token = tokenizer.eos_token`` works."""
 
     @staticmethod
     def from_pretrained(name_or_path: str, **kwargs) -> BertTokenizerFast:
-        return BertTokenizerFast(vocab_file=str(_vocab_file()), model_max_length=MAX_LENGTH, eos_token="[SEP]",
-                                 bos_token="[CLS]")
+        vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + WORDS)}
+        tokenizer = BertTokenizerFast(vocab=vocab, model_max_length=MAX_LENGTH, eos_token="[SEP]", bos_token="[CLS]")
+        if len(tokenizer) != len(vocab):  # an older transformers without `vocab=` would silently map all to [UNK]
+            raise RuntimeError(f"the offline tokenizer has {len(tokenizer)} tokens, expected {len(vocab)}")
+        return tokenizer
 
 
 def tiny_bert_config(num_labels: int = 2) -> BertConfig:
@@ -75,22 +72,29 @@ class AutoModelForSequenceClassification:
         return BertForSequenceClassification(tiny_bert_config())
 
 
+def tiny_gpt2_config() -> GPT2Config:
+    return GPT2Config(vocab_size=len(SPECIAL_TOKENS) + len(WORDS), n_embd=32, n_layer=2, n_head=2, n_positions=MAX_LENGTH,
+                      bos_token_id=2, eos_token_id=3)
+
+
 class AutoConfig:
+    """``from_pretrained(name)``: a tiny GPT-2 configuration for a ``gpt2`` name, else a tiny Llama one (SmolLM)."""
+
     @staticmethod
-    def from_pretrained(name_or_path: str, **kwargs) -> LlamaConfig:
-        return tiny_llama_config()
+    def from_pretrained(name_or_path: str, **kwargs) -> PretrainedConfig:
+        return tiny_gpt2_config() if "gpt2" in name_or_path.lower() else tiny_llama_config()
 
 
 class AutoModelForCausalLM:
-    """``from_pretrained(...)`` / ``from_config(...)``: a randomly initialised 2-layer Llama."""
+    """``from_pretrained(...)`` / ``from_config(...)``: a randomly initialised 2-layer model of that configuration."""
 
     @staticmethod
-    def from_pretrained(name_or_path: str, config: LlamaConfig | None = None, **kwargs) -> LlamaForCausalLM:
-        return LlamaForCausalLM(config or tiny_llama_config())
+    def from_pretrained(name_or_path: str, config: PretrainedConfig | None = None, **kwargs):
+        return _AutoModelForCausalLM.from_config(config or AutoConfig.from_pretrained(name_or_path))
 
     @staticmethod
-    def from_config(config: LlamaConfig, **kwargs) -> LlamaForCausalLM:
-        return LlamaForCausalLM(config)
+    def from_config(config: PretrainedConfig, **kwargs):
+        return _AutoModelForCausalLM.from_config(config)
 
 
 def _sentence(rng: random.Random) -> list[str]:
