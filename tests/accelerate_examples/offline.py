@@ -73,8 +73,8 @@ class AutoModelForSequenceClassification:
 
 
 def tiny_gpt2_config() -> GPT2Config:
-    return GPT2Config(vocab_size=len(SPECIAL_TOKENS) + len(WORDS), n_embd=32, n_layer=2, n_head=2, n_positions=MAX_LENGTH,
-                      bos_token_id=2, eos_token_id=3)
+    return GPT2Config(vocab_size=len(SPECIAL_TOKENS) + len(WORDS), n_embd=32, n_layer=2, n_head=2,
+                      n_positions=MAX_LENGTH, bos_token_id=2, eos_token_id=3)
 
 
 class AutoConfig:
