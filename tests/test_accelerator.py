@@ -171,6 +171,27 @@ def test_accumulating_4_micro_batches_of_8_equals_one_batch_of_32():
         assert torch.allclose(a, b, atol=1e-6)
 
 
+
+def test_gradient_accumulation_steps_set_after_construction_takes_effect():
+    """Accelerate's automatic_gradient_accumulation example assigns ``accelerator.gradient_accumulation_steps``
+    after building the Accelerator; the new count decides the syncs and the loss scaling."""
+    accelerator = Accelerator(cpu=True)
+    accelerator.gradient_accumulation_steps = 2
+    model = mlp()
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                   DataLoader(dataset(32), batch_size=8))
+    syncs = []
+    for bx, by in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.cross_entropy(model(bx), by))
+            syncs.append(accelerator.sync_gradients)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert accelerator.gradient_accumulation_steps == 2 and syncs == [False, True, False, True]
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive int"):
+            accelerator.gradient_accumulation_steps = bad
+
 def test_scheduler_steps_once_per_optimizer_step_and_end_of_dataloader_syncs():
     accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=3))
     model = mlp()

@@ -104,6 +104,18 @@ def test_strict_config_turns_overrides_into_errors(host, tmp_path):
     resolve(host, config_file=run, arguments={"mixed_precision": "fp16", "strict_config": True})
 
 
+def test_a_flag_equal_to_the_scripts_argument_once_coerced_is_no_override(host):
+    """Accelerate's examples pass ``Accelerator(cpu=args.cpu)`` and are launched with ``--cpu``: the flag's text
+    ``'true'`` equals the script's ``True`` as a bool, so nothing is reported (and strict_config accepts it)."""
+    flags = {"use_cpu": ("true", "--cpu"), "gradient_accumulation_steps": ("2", "--gradient_accumulation_steps")}
+    arguments = {"use_cpu": True, "gradient_accumulation_steps": 2, "strict_config": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigOverrideWarning)
+        config = resolve(host, flags=flags, arguments=arguments, warn=True)
+    assert config["use_cpu"] is True and config["gradient_accumulation_steps"] == 2
+    with pytest.warns(ConfigOverrideWarning, match="use_cpu=...\\) = False is overridden by flag --cpu = 'true'"):
+        resolve(host, flags=flags, arguments={"use_cpu": False}, warn=True)
+
 def test_options_objects_set_all_their_fields(host, tmp_path):
     default = write(tmp_path, "d.yaml", "dataloader_config: {even_batches: false, non_blocking: true}\n")
     config = resolve(host, default_file=default, arguments={

@@ -391,13 +391,45 @@ def test_skip_first_batches_on_prepared_and_plain_loaders():
     assert isinstance(skipped, PreparedDataLoader) and len(skipped) == 2 and len(loader) == 4
     assert epoch_ids(skipped) == reference[2:]
     assert len(skipped) == 4 and skipped.state_dict()["epoch"] == 1
-    assert epoch_ids(loader) == reference  # the original is untouched
+    # the copy ran the original's next pass (epoch 0): the original goes on with epoch 1, whole
+    twin = prepare_dataloader(make_run(data_seed=4), DataLoader(data, batch_size=3, shuffle=True))
+    twin.set_epoch(1)
+    assert loader.state_dict()["epoch"] == 1 and epoch_ids(loader) == epoch_ids(twin)
 
     plain = skip_first_batches(DataLoader(data, batch_size=3), 1)
     assert epoch_ids(plain) == [[3, 4, 5], [6, 7, 8], [9]] and len(plain) == 3
     stream = skip_first_batches(DataLoader(Stream(5), batch_size=2), 2)
     assert [b.tolist() for b in stream] == [[4]]
 
+
+
+def test_accelerate_resume_pattern_load_state_then_skip_first_batches_runs_each_batch_once():
+    """Accelerate's checkpointing example: load a mid-epoch state, iterate ``skip_first_batches(loader, n)`` for the
+    rest of that epoch, then the loader itself for the next epochs. The restored position must not be replayed
+    after the skipped pass, and a state saved during the skipped pass records where it really is."""
+    data = TensorDataset(torch.arange(12))
+
+    def fresh():
+        return prepare_dataloader(make_run(data_seed=3), DataLoader(data, batch_size=3, shuffle=True))
+
+    reference = fresh()
+    epochs = [epoch_ids(reference), epoch_ids(reference)]
+    first = fresh()
+    iterator = iter(first)
+    next(iterator), next(iterator)
+    state = first.state_dict()  # epoch 0, 2 batches in
+
+    resumed = fresh()
+    resumed.load_state_dict(state)
+    skipped = skip_first_batches(resumed, 2)
+    seen = []
+    for batch in skipped:
+        seen.append(ids(batch))
+        if len(seen) == 1:
+            mid = resumed.state_dict()
+            assert (mid["epoch"], mid["batches_yielded"]) == (0, 3), mid
+    assert seen == epochs[0][2:]
+    assert epoch_ids(resumed) == epochs[1]  # epoch 1, whole: not epoch 0's restored remainder again
 
 # --------------------------------------------------------------------------------------------
 # one process: sharding rules that need no communication

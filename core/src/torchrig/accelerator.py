@@ -241,6 +241,14 @@ class Accelerator(ProcessControl):
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
 
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        """Settable mid-run as in Accelerate: its ``automatic_gradient_accumulation`` example recomputes the steps
+        for each batch size ``find_executable_batch_size`` tries."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be a positive int, got {steps!r}")
+        self.gradient_state.num_steps = steps
+
     @property
     def project_dir(self) -> str | None:
         return self.config["project_config.project_dir"]

@@ -634,6 +634,8 @@ class PreparedDataLoader:
         self._pending: _Position | None = None
         self._pass: _Pass | None = None
         self._len_skip = 0
+        #: The loader a skip_first_batches copy was made from: the copy's pass is that loader's next pass.
+        self._origin: PreparedDataLoader | None = None
 
     # -- attributes ------------------------------------------------------------------------
 
@@ -775,6 +777,7 @@ class PreparedDataLoader:
             global_batches = num_batches * layout.world
         clone._pending = _Position(samples=samples, batches=num_batches, global_batches=global_batches)
         clone._len_skip = num_batches
+        clone._origin = self._origin or self
         return clone
 
     # -- building the torch loaders ----------------------------------------------------------
@@ -964,6 +967,12 @@ class PreparedDataLoader:
         self._pending = None
         self._next_epoch = epoch + 1
         self._pass = _Pass(epoch=epoch, position=attrs.evolve(start))
+        origin = self._origin
+        if origin is not None and origin._next_epoch == epoch and not (origin._pass and origin._pass.running):
+            # Accelerate's resume pattern: load_state, then iterate skip_first_batches(loader, n) for the rest of
+            # the epoch. That pass *is* the original loader's next one: the original shares it (so save_state
+            # records the copy's position) and then goes on with the following epoch, not the restored remainder.
+            origin._pass, origin._next_epoch, origin._pending = self._pass, epoch + 1, None
         if isinstance(self.sampler, SeedableRandomSampler):
             self.sampler.set_epoch(epoch)
         return self._pass
@@ -1166,7 +1175,9 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     For a prepared loader: a copy whose next pass is the epoch ``dataloader`` would run next,
     started ``num_batches`` of this rank's batches in (skipped in index space: nothing is
     loaded); its ``len`` is the remaining count until that pass ends, and later passes are whole
-    epochs. ``dataloader`` itself is untouched. For a plain DataLoader: map-style data skips
+    epochs. Iterating the copy consumes ``dataloader``'s next pass (as Accelerate's resume pattern
+    expects after ``load_state``): ``dataloader`` then records that pass's position in a checkpoint
+    and goes on with the following epoch. For a plain DataLoader: map-style data skips
     the first batches of its batch sampler (on every pass), iterable data reads and drops them.
     """
     if num_batches < 0:
