@@ -32,7 +32,7 @@ from torchrig.run import RunContext
 from torchrig.runtime import build_step_plan, declared_precision_type, end_run, open_run
 from torchrig.step_plan import StepPlan
 from torchrig.tracking import TrackerHub
-from torchrig.types import PreparedModel
+from torchrig.types import Capabilities, PreparedModel
 
 #: Accelerate arguments torchrig does not support, and why (passing one is an error, never ignored).
 _UNSUPPORTED_ARGUMENTS = {
@@ -445,6 +445,13 @@ class Accelerator(ProcessControl):
         ``gradient_accumulation_steps`` steps, and at the end of the dataloader) and suppresses
         gradient communication on the others (``no_sync``)."""
         return self._accumulate.enter(models)
+
+    @property
+    def strategy_capabilities(self) -> Capabilities:
+        """What the selected strategy declared it owns (:class:`torchrig.types.Capabilities`)."""
+        self._step_plan()
+        assert self._run.capabilities is not None
+        return self._run.capabilities
 
     def no_sync(self, model: Any) -> Any:
         """Suppress gradient synchronisation for ``model`` (through the strategy's no_sync)."""
