@@ -10,7 +10,7 @@ their name. Between averages the model runs inside ``accelerator.no_sync``: no g
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 
 class LocalSGD:
@@ -37,7 +37,7 @@ class LocalSGD:
         self.local_sgd_steps = int(local_sgd_steps)
         self._no_sync: Any = None
 
-    def __enter__(self) -> LocalSGD:
+    def __enter__(self) -> Self:
         if self.enabled:
             self._no_sync = self.accelerator.no_sync(self.model)
             self._no_sync.__enter__()
