@@ -21,6 +21,7 @@ from typing import Any
 
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.compile import compile_model
+from torchrig.config.options import ProfileKwargs
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.errors import ConfigError
 from torchrig.gradient_state import gradient_state_of
@@ -28,6 +29,7 @@ from torchrig.nested import convert_to_fp32, recursively_apply
 from torchrig.optimizer import AcceleratedOptimizer
 from torchrig.plugin_manager import PluginHost
 from torchrig.process import AcceleratorState, ProcessControl
+from torchrig.profiling import profile_options, profile_run
 from torchrig.run import RunContext
 from torchrig.runtime import build_step_plan, declared_precision_type, end_run, open_run
 from torchrig.step_plan import StepPlan
@@ -478,6 +480,11 @@ class Accelerator(ProcessControl):
         if autocast_handler is None:
             return plan_autocast()
         return _adjusted_autocast(plan_autocast, self.device.type, autocast_handler)
+
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Any:
+        """Context manager yielding a ``torch.profiler.profile`` configured by ``profile_handler`` (default:
+        the run's ``ProfileKwargs``); the trace goes to ``output_trace_dir/profile_{process_index}.json``."""
+        return profile_run(self, profile_handler if profile_handler is not None else profile_options(self.config))
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Make gradients true-scale (fp16) before inspecting or clipping them."""
