@@ -21,6 +21,7 @@ from typing import Any
 
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.compile import compile_model
+from torchrig.config.options import ProfileKwargs
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.enums import RNGType
 from torchrig.errors import ConfigError
@@ -29,11 +30,12 @@ from torchrig.nested import convert_to_fp32, recursively_apply
 from torchrig.optimizer import AcceleratedOptimizer
 from torchrig.plugin_manager import PluginHost
 from torchrig.process import AcceleratorState, ProcessControl
+from torchrig.profiling import profile_options, profile_run
 from torchrig.run import RunContext
 from torchrig.runtime import build_step_plan, declared_precision_type, end_run, open_run
 from torchrig.step_plan import StepPlan
 from torchrig.tracking import TrackerHub
-from torchrig.types import PreparedModel
+from torchrig.types import Capabilities, PreparedModel
 
 #: Accelerate arguments torchrig does not support, and why (passing one is an error, never ignored).
 _UNSUPPORTED_ARGUMENTS = {
@@ -455,6 +457,13 @@ class Accelerator(ProcessControl):
         gradient communication on the others (``no_sync``)."""
         return self._accumulate.enter(models)
 
+    @property
+    def strategy_capabilities(self) -> Capabilities:
+        """What the selected strategy declared it owns (:class:`torchrig.types.Capabilities`)."""
+        self._step_plan()
+        assert self._run.capabilities is not None
+        return self._run.capabilities
+
     def no_sync(self, model: Any) -> Any:
         """Suppress gradient synchronisation for ``model`` (through the strategy's no_sync)."""
         return (self._plan or self._step_plan()).no_sync(model)
@@ -480,6 +489,11 @@ class Accelerator(ProcessControl):
         if autocast_handler is None:
             return plan_autocast()
         return _adjusted_autocast(plan_autocast, self.device.type, autocast_handler)
+
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Any:
+        """Context manager yielding a ``torch.profiler.profile`` configured by ``profile_handler`` (default:
+        the run's ``ProfileKwargs``); the trace goes to ``output_trace_dir/profile_{process_index}.json``."""
+        return profile_run(self, profile_handler if profile_handler is not None else profile_options(self.config))
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Make gradients true-scale (fp16) before inspecting or clipping them."""

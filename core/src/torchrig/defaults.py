@@ -89,7 +89,8 @@ class CoreDefaults:
 
     @hookimpl(trylast=True)
     def torchrig_strategy_capabilities(self, run: RunContext) -> Capabilities:
-        return Capabilities(data_parallel_size=run.cluster.world_size, data_parallel_rank=run.cluster.rank)
+        return Capabilities(replicated_parameters=True, data_parallel_size=run.cluster.world_size,
+                            data_parallel_rank=run.cluster.rank)
 
     @hookimpl(trylast=True)
     def torchrig_prepare_model(

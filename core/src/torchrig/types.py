@@ -72,6 +72,9 @@ class Capabilities:
     checkpoint_format: str = attrs.field(
         default="state_dict", validator=attrs.validators.in_(("state_dict", "sharded", "engine"))
     )
+    #: Every rank holds every parameter in full (a replica, not a shard), so parameters can be
+    #: averaged across ranks in place (``LocalSGD``). False for sharding engines (FSDP, DeepSpeed ZeRO).
+    replicated_parameters: bool = False
     #: Ranks that see different data. Data-parallel strategies: every rank.
     data_parallel_size: int | None = None
     data_parallel_rank: int | None = None

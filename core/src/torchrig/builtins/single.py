@@ -18,4 +18,4 @@ class SingleProcessStrategy:
                 f"(rank {run.cluster.rank}); each would train its own copy of the model. "
                 "Select a distributed strategy (e.g. --strategy ddp) or launch one process."
             )
-        return Capabilities(data_parallel_size=1, data_parallel_rank=0)
+        return Capabilities(replicated_parameters=True, data_parallel_size=1, data_parallel_rank=0)

@@ -154,6 +154,37 @@ class InitProcessGroupKwargs(KwargsHandler):
     backend: str | None = option(None, help="process-group backend (default: the device's: nccl or gloo)")
 
 
+#: ``ProfileKwargs.activities`` names, as Accelerate spells them (``torch.profiler.ProfilerActivity`` members).
+PROFILER_ACTIVITIES = ("cpu", "cuda", "xpu", "hpu", "mtia")
+
+
+def _profiler_activities(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    unknown = [item for item in value if str(item).lower() not in PROFILER_ACTIVITIES]
+    if isinstance(value, str) or unknown:
+        raise ValueError(f"expected a list of {', '.join(PROFILER_ACTIVITIES)}; got {value!r}", attribute)
+
+
+@attrs.frozen(kw_only=True)
+class ProfileKwargs(KwargsHandler):
+    """``torch.profiler.profile`` options for ``accelerator.profile()`` (Accelerate's ``ProfileKwargs``);
+    the trace goes to ``output_trace_dir/profile_{process_index}.json``."""
+
+    activities: list[str] | None = option(None, help="profiled activities: cpu, cuda, xpu, hpu, mtia (default: "
+                                          "torch's, every available one)", validator=_profiler_activities)
+    schedule_option: dict[str, int] | None = option(
+        None, help="torch.profiler.schedule arguments (wait, warmup, active, repeat, skip_first); call prof.step()")
+    on_trace_ready: Any = option(None, help="callable given the profiler when a trace is ready (Python only)",
+                                 python_only=True)
+    record_shapes: bool = option(False, help="record operator input shapes")
+    profile_memory: bool = option(False, help="track tensor memory allocation")
+    with_stack: bool = option(False, help="record source information (file and line) of the operators")
+    with_flops: bool = option(False, help="estimate FLOPs of matrix multiplications and convolutions")
+    with_modules: bool = option(False, help="record the module hierarchy of the operators")
+    output_trace_dir: str | None = option(None, help="directory of the Chrome trace, profile_<process_index>.json")
+
+
 def _dynamo_backend(value: Any) -> Any:
     if isinstance(value, str):
         value = value.lower()
@@ -185,12 +216,14 @@ CORE_SECTIONS: tuple[ConfigSection, ...] = (
     ConfigSection("autocast_kwargs", AutocastKwargs, help="AutocastKwargs"),
     ConfigSection("grad_scaler_kwargs", GradScalerKwargs, help="GradScalerKwargs"),
     ConfigSection("init_process_group_kwargs", InitProcessGroupKwargs, help="InitProcessGroupKwargs"),
+    ConfigSection("profile_kwargs", ProfileKwargs, help="ProfileKwargs (accelerator.profile())"),
     ConfigSection("dynamo_config", TorchDynamoPlugin, help="TorchDynamoPlugin (Accelerate's dynamo_config)",
                   default=TorchDynamoPlugin(backend="no")),
 )
 
 __all__ = [
     "CORE_SECTIONS",
+    "PROFILER_ACTIVITIES",
     "AutocastKwargs",
     "CoreOptions",
     "DataLoaderConfiguration",
@@ -198,6 +231,7 @@ __all__ = [
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",
+    "ProfileKwargs",
     "ProjectConfiguration",
     "TorchDynamoPlugin",
 ]

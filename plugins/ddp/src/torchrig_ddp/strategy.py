@@ -25,7 +25,8 @@ from torchrig_ddp.manifest import SECTION
 class DDPStrategy:
     @hookimpl
     def torchrig_strategy_capabilities(self, run: RunContext) -> Capabilities:
-        return Capabilities(data_parallel_size=run.cluster.world_size, data_parallel_rank=run.cluster.rank)
+        return Capabilities(replicated_parameters=True, data_parallel_size=run.cluster.world_size,
+                            data_parallel_rank=run.cluster.rank)
 
     @hookimpl
     def torchrig_prepare_model(

@@ -27,7 +27,9 @@ class DeepSpeedManifest(PluginManifest):
     aliases = ("DEEPSPEED",)
     distributed_type = "DEEPSPEED"
     state_attribute = "deepspeed_plugin"
-    exports = {"DeepSpeedPlugin": "torchrig_deepspeed.options:DeepSpeedPlugin"}
+    exports = {"DeepSpeedPlugin": "torchrig_deepspeed.options:DeepSpeedPlugin",
+               "GatheredParameters": "torchrig_deepspeed.compat:GatheredParameters",
+               "get_active_deepspeed_plugin": "torchrig_deepspeed.compat:get_active_deepspeed_plugin"}
     config_section = ConfigSection(
         SECTION, DeepSpeedPlugin,
         help="DeepSpeedPlugin: ZeRO stage, offload, clipping and the DeepSpeed JSON (deepspeed_config_file)",
