@@ -54,7 +54,7 @@ def test_every_implemented_name_imports_from_accelerates_module_path():
         expected = load_reference(target)
         got = getattr(importlib.import_module(torchrig_path(module)), name)
         assert got is expected, f"{torchrig_path(module)}.{name}"
-        exec(f"from {torchrig_path(module)} import {name} as imported", namespace := {})  # noqa: S102 -- as users write it
+        exec(f"from {torchrig_path(module)} import {name} as imported", namespace := {})
         assert namespace["imported"] is expected
 
 
@@ -63,7 +63,7 @@ def test_every_refusal_raises_an_import_error_saying_why_and_what_to_use():
     assert len(refused) > 100
     for module, name, target in refused:
         with pytest.raises(RefusedNameError) as caught:
-            exec(f"from {torchrig_path(module)} import {name}", {})  # noqa: S102 -- as users write it
+            exec(f"from {torchrig_path(module)} import {name}", {})
         message = str(caught.value)
         assert f"{torchrig_path(module)}.{name}" in message and target.reason in message
         assert f"Instead: {target.instead}" in message and "docs/accelerate.md" in message
@@ -103,7 +103,7 @@ def test_a_name_accelerate_does_not_have_is_a_plain_attribute_error():
     assert not hasattr(torchrig, "no_such_name")
     assert not hasattr(torchrig.utils, "no_such_name")
     with pytest.raises(AttributeError, match="no_such_name") as caught:
-        torchrig.state.no_such_name  # noqa: B018
+        torchrig.state.no_such_name
     assert not isinstance(caught.value, ImportError)
     assert "DistributedType" in dir(torchrig) and "gather_object" in dir(torchrig.utils)
 

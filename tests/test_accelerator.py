@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
 import torch
+import torchrig.accelerator as accelerator_module
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-import torchrig.accelerator as accelerator_module
 from torchrig import Accelerator, AutocastKwargs, GradientAccumulationPlugin
 from torchrig.plugin_manager import PluginHost
 from torchrig.testing import HookRecorder
@@ -315,7 +313,6 @@ def test_torch_compile_after_wrapping():
 
 def test_shuffled_training_is_bit_identical_to_a_hand_written_loop_with_the_same_generator_seed():
     from torch.utils.data import RandomSampler
-
     from torchrig import DataLoaderConfiguration
 
     data, seed, epochs = dataset(48), 1234, 2

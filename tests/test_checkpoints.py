@@ -23,7 +23,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-
 from torchrig import Accelerator
 from torchrig.checkpoint import MANIFEST_NAME, CheckpointError, layout, temporaries
 from torchrig.checkpoint.faults import FAULT_ENV, PHASES

@@ -9,7 +9,6 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from torchrig import DataLoaderConfiguration, GradScalerKwargs, InitProcessGroupKwargs, ProjectConfiguration
 from torchrig.config.resolve import (
     ConfigOverrideWarning,
@@ -341,7 +340,7 @@ def test_arbitrary_yaml_documents_raise_only_config_error(host, tmp_path, docume
 
 # -- every Accelerate key ------------------------------------------------------------------------
 
-from torchrig.config.compat import ACCELERATE_KEYS  # noqa: E402
+from torchrig.config.compat import ACCELERATE_KEYS
 
 SUPPORTED_EXAMPLES = {
     "distributed_type": ("NO", "strategy", "single"),

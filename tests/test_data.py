@@ -22,7 +22,6 @@ from torch.utils.data import (
     SequentialSampler,
     TensorDataset,
 )
-
 from torchrig.builtins.devices import CPUBackend
 from torchrig.collectives import Collectives
 from torchrig.data import (
@@ -555,7 +554,7 @@ def _scenario(ctx, name: str):
         try:
             for batch in loader:
                 got.append(batch.tolist())
-        except Exception as exc:  # noqa: BLE001 -- the test compares the messages
+        except Exception as exc:
             return got, f"{type(exc).__name__}: {exc}"
         return got, None
     raise ValueError(name)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import deepspeed
 import pytest
-
 from torchrig.testing.contracts import rank_environment
 
 pytestmark = pytest.mark.multiprocess
@@ -18,7 +17,6 @@ def test_gathered_parameters_is_deepspeeds_own():
 
 def _active_plugin(ctx):
     import torch
-
     from torchrig import Accelerator
     from torchrig.utils import DeepSpeedPlugin, get_active_deepspeed_plugin
 

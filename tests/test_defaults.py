@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -12,9 +11,7 @@ import textwrap
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
-
 from torchrig.checkpoint import CheckpointWriter
-
 from torchrig.runtime import start_run
 from torchrig.testing import make_host
 from torchrig.types import LaunchPlan, PreparedModel

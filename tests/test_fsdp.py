@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-
 from torchrig.testing.contracts import rank_environment
 
 pytestmark = pytest.mark.multiprocess
@@ -452,9 +451,8 @@ def _trained(accelerator, steps=2, cls=TinyTransformer):
 
 
 def _optimizer_state(model, optimizer):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True) if dist.is_initialized() else None
     state = get_optimizer_state_dict(model, optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,

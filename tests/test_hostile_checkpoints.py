@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from torchrig import Accelerator
 from torchrig.checkpoint import MANIFEST_NAME, CheckpointError, layout
 from torchrig.config.options import DataLoaderConfiguration, ProjectConfiguration

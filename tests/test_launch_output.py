@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from torchrig.launch.tail import PrefixedStream, _Destination
 
 pytestmark = pytest.mark.multiprocess

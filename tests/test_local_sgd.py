@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from torchrig.testing.contracts import rank_environment
 
 pytestmark = pytest.mark.multiprocess
@@ -15,7 +14,6 @@ pytestmark = pytest.mark.multiprocess
 def _local_sgd(ctx, steps, local_sgd_steps):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     from torchrig import Accelerator
     from torchrig.local_sgd import LocalSGD
 

@@ -619,7 +619,7 @@ def test_torchrig_launch_two_processes_one_run_per_tracker_and_drops_in_run_stat
 # --------------------------------------------------------------------------------------------
 # the tracker contract (torchrig.testing.contracts.TrackerContract), read back by each library
 
-from torchrig.testing.contracts import TrackerContract  # noqa: E402
+from torchrig.testing.contracts import TrackerContract
 
 
 class TestCSVContract(TrackerContract):

@@ -12,10 +12,9 @@ import os
 import pathlib
 import subprocess
 import sys
-import tomllib
 
 import pytest
-
+import tomllib
 import torchrig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

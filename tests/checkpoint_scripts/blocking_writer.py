@@ -13,7 +13,6 @@ import os
 import time
 
 import torch
-
 from torchrig import Accelerator
 from torchrig.config.options import ProjectConfiguration
 

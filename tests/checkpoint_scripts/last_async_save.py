@@ -12,7 +12,6 @@ import resource
 import signal
 
 import torch
-
 from torchrig import Accelerator
 from torchrig.config.options import ProjectConfiguration
 

@@ -7,4 +7,4 @@ own object, a plugin's export, or a refusal that says why and what to use (docs/
 from torchrig.compat.resolve import module_attributes, provided_names
 
 __getattr__, __dir__ = module_attributes(__name__, globals())
-__all__ = provided_names("accelerate.data_loader")  # noqa: PLE0605 -- the table is the one list of names
+__all__ = provided_names("accelerate.data_loader")

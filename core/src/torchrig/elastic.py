@@ -482,7 +482,7 @@ def launch_with_elastic(plan: LaunchPlan) -> int:
     except KeyboardInterrupt:
         shutdown_rdzv = False
         launcher_signal = "SIGINT"
-    except Exception as exc:  # noqa: BLE001 -- rendezvous and agent errors end the launch with a message
+    except Exception as exc:
         launch_error = f"{type(exc).__name__}: {exc}"
     finally:
         for sig, handler_before in previous.items():
@@ -490,7 +490,7 @@ def launch_with_elastic(plan: LaunchPlan) -> int:
         if handler is not None and shutdown_rdzv:
             try:
                 handler.shutdown()
-            except Exception:  # noqa: BLE001, S110 -- best effort; the run's outcome is decided
+            except Exception:
                 pass
     failures = result.failures if result is not None else None
     observer.end(failures, launcher_signal=launcher_signal)

@@ -155,7 +155,7 @@ def _end_live_runs() -> None:
     for run in list(_LIVE_RUNS):
         try:
             end_run(run)
-        except Exception as exc:  # noqa: BLE001 -- at exit: report, and let the other runs end too
+        except Exception as exc:
             print(f"torchrig: torchrig_unconfigure failed at interpreter exit: {type(exc).__name__}: {exc}",
                   file=sys.stderr, flush=True)
 

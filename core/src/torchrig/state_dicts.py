@@ -120,7 +120,7 @@ def read_safetensors(path: str, location: Any = "cpu") -> tuple[dict[str, torch.
     from safetensors import safe_open
 
     with safe_open(path, framework="pt", device=str(location)) as handle:
-        state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
+        state = {name: handle.get_tensor(name) for name in handle.keys()}
         metadata = handle.metadata() or {}
     for alias, name in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
         state[alias] = state[name]

@@ -190,7 +190,7 @@ class _Lane:
         handler) is reported, and the events it leaves are counted as dropped."""
         try:
             self._serve()
-        except BaseException as exc:  # noqa: BLE001 -- a dead tracker thread must be seen, never silent
+        except BaseException as exc:
             self._died(exc)
 
     def _died(self, exc: BaseException) -> None:
@@ -249,7 +249,7 @@ class _Lane:
         try:
             getattr(self.tracker, method)(*args, **kwargs)
             return True
-        except BaseException as exc:  # noqa: BLE001 -- a tracker never stops training, even by sys.exit()
+        except BaseException as exc:
             text = _describe(exc)
             with self.cond:
                 if self.abandoned:
@@ -270,7 +270,7 @@ def _describe(exc: BaseException) -> str:
     """``Type: message``, also for an exception whose ``__str__`` itself fails."""
     try:
         message = str(exc)
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         message = "<unprintable>"
     return f"{type(exc).__name__}: {message}"
 

@@ -92,7 +92,7 @@ class _StreamingFile:
 
     def __init__(self, path: str, hashing: bool, fault_phase: str | None, rank: int) -> None:
         self._rank = rank
-        self._handle = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._handle = open(path, "wb")
         self._hash = hashlib.sha256() if hashing else None
         self._fault_phase = fault_phase
         self.size = 0

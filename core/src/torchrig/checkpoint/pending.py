@@ -42,7 +42,7 @@ class PendingSave:
     def _run(self, work: Callable[[], str]) -> None:
         try:
             work()
-        except BaseException as exc:  # noqa: BLE001 -- reported to the training thread by join(), or at exit
+        except BaseException as exc:
             self.error = exc
 
     def join(self) -> None:

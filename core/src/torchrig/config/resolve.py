@@ -43,7 +43,6 @@ from torchrig.config.schema import (
     suggest,
 )
 from torchrig.errors import ConfigError
-from torchrig.kinds import PluginKind
 from torchrig.plugin_manager import PluginHost, PluginStatus
 from torchrig.types import ConfigProblem, ConfigSection
 

@@ -262,7 +262,7 @@ def run_plan(host: PluginHost, plan: LaunchPlan) -> int:
         code = host.hook.torchrig_launch(plan=plan)
     except KeyboardInterrupt:
         code = 130
-    except Exception as exc:  # noqa: BLE001 -- the launch started; report it as a failed run
+    except Exception as exc:
         print(f"{PROG}: the launch failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         code = 1
     code = 1 if code is None else int(code)

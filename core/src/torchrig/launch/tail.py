@@ -159,7 +159,7 @@ class LogRelay:
                     source = sources.get(index)
                     if source is None:
                         try:
-                            source = sources[index] = open(path, "rb")  # noqa: SIM115 -- kept open across rounds
+                            source = sources[index] = open(path, "rb")
                         except FileNotFoundError:
                             continue
                     modified = os.fstat(source.fileno()).st_mtime_ns

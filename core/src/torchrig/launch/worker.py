@@ -275,7 +275,7 @@ def _run_python(mode: str, target: str, args: list[str], watch: _Watch) -> int:
             runpy.run_path(target, run_name="__main__")
         else:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
-    except BaseException as exc:  # noqa: BLE001 -- every outcome is recorded, then re-reported
+    except BaseException as exc:
         watch.stopping = True  # first: a teardown signal must not interrupt the recording
         return _outcome(exc, watch)
     watch.stopping = True
@@ -340,7 +340,7 @@ def _run_command(target: str, args: list[str], watch: _Watch) -> int:
     """A ``--no_python`` command: a child process whose stderr passes through us, keeping its tail."""
     try:
         child = subprocess.Popen([target, *args], stderr=subprocess.PIPE,
-                                 preexec_fn=set_parent_death_signal)  # noqa: PLW1509 -- one ctypes call
+                                 preexec_fn=set_parent_death_signal)
     except OSError as exc:
         print(f"torchrig launch: cannot run {target!r}: {exc}", file=sys.stderr)
         return _failed(watch, 127, f"cannot run {target!r}: {exc}", "")

@@ -10,4 +10,9 @@ use, so importing this package stays cheap.
 from torchrig.compat.resolve import module_attributes, provided_names
 
 __getattr__, __dir__ = module_attributes(__name__, globals())
-__all__ = provided_names("accelerate.utils")  # noqa: PLE0605 -- the table is the one list of names
+__all__ = provided_names("accelerate.utils")
+
+# ``tqdm`` is both a submodule here and the function it defines (as in Accelerate). Bound eagerly,
+# so that the package attribute is the function whichever of the two is imported first (the import
+# system sets a package's attribute to a submodule only when it first loads it).
+from torchrig.utils.tqdm import tqdm  # noqa: E402

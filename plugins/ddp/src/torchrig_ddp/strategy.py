@@ -12,13 +12,12 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch.nn.parallel import DistributedDataParallel
-
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
 from torchrig.step_plan import StepPlanBuilder
 from torchrig.types import Capabilities, PreparedModel
+
 from torchrig_ddp.manifest import SECTION
 
 

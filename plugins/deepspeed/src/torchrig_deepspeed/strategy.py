@@ -28,7 +28,6 @@ from typing import Any
 
 import attrs
 import torch
-
 from torchrig.gradient_state import GradientState, gradient_state_of
 from torchrig.logging import get_logger
 from torchrig.markers import hookimpl
@@ -36,6 +35,7 @@ from torchrig.run import RunContext
 from torchrig.scheduler import OptimizerStepScheduler
 from torchrig.step_plan import StepPlanBuilder
 from torchrig.types import Capabilities, LaunchPlan, PreparedModel, StashKey
+
 from torchrig_deepspeed import checkpoint as ds_checkpoint
 from torchrig_deepspeed.config_checks import SECTION
 from torchrig_deepspeed.ds_config import EngineConfig, engine_config, micro_batch_of

@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-
 from torchrig.checkpoint.trust import check_loadable, load_pickled
 from torchrig.run import RunContext
 from torchrig.types import PreparedModel
+
 from torchrig_fsdp import safe_dcp
 
 SHARDED = "SHARDED_STATE_DICT"

@@ -15,7 +15,6 @@ import pickle
 from typing import Any
 
 import torch
-
 from torchrig.checkpoint.trust import PICKLE_OPT_IN
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"

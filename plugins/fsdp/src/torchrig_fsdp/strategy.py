@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
 from torchrig.logging import get_logger
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
 from torchrig.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_loss_scaling
 from torchrig.types import Capabilities, PreparedModel, StashKey
+
 from torchrig_fsdp import checkpoint as fsdp_checkpoint
 from torchrig_fsdp.manifest import HYBRID, SECTION
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
