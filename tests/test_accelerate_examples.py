@@ -333,7 +333,10 @@ def test_deepspeed_with_config_support_trains_from_the_json_config(processes, tm
                        "--dataset_config_name", "wikitext-2-raw-v1", "--block_size", "16",
                        "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
                        "--num_train_epochs", "1", "--max_train_steps", "4", "--learning_rate", "1e-3",
-                       "--seed", "0", "--load_best_model", "--output_dir", "out"],
+                       "--seed", "0", "--load_best_model", "--output_dir", "out",
+                       # DeepSpeed's WarmupDecayLR refuses warmup_num_steps=0 (the example's default), under
+                       # Accelerate as here: the DummyScheduler fills the block's "auto" with this value.
+                       "--num_warmup_steps", "1"],
                       launch=["--use_deepspeed", "--deepspeed_config_file", "ds_config.json"])
     run = run_example(example, processes, tmp_path, process_guard, workdir=work)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"

@@ -82,6 +82,8 @@ def test_every_refusal_raises_an_import_error_saying_why_and_what_to_use():
     ("torchrig.tracking.TensorBoardTracker", "torchrig_trackers"),
     ("torchrig.tracking.WandBTracker", "torchrig_trackers"),
     ("torchrig.DeepSpeedPlugin", "torchrig_deepspeed"),
+    ("torchrig.utils.DummyOptim", "torchrig_deepspeed"),
+    ("torchrig.utils.DummyScheduler", "torchrig_deepspeed"),
 ])
 def test_plugin_provided_names_come_from_the_installed_first_party_plugin(path, providing_module):
     module, name = path.rsplit(".", 1)
@@ -97,6 +99,18 @@ def test_plugin_provided_names_no_installed_plugin_exports_are_refused_naming_wh
         with pytest.raises(RefusedNameError, match="provided by a plugin") as caught:
             getattr(importlib.import_module(torchrig_path(module)), name)
         assert target.provided_by in str(caught.value)
+
+
+def test_an_installed_plugin_that_cannot_load_its_export_is_named_with_the_cause():
+    """torchrig-deepspeed installed, DeepSpeed itself not importable: the refusal names the plugin, the import
+    failure and the install command, not "no installed plugin provides it"."""
+    code = ("import sys; sys.modules['deepspeed'] = None\n"
+            "try:\n    from torchrig.utils import GatheredParameters\n"
+            "except ImportError as exc:\n    print(type(exc).__name__, exc)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=TIMEOUT)
+    assert run.stdout.startswith("RefusedNameError GatheredParameters comes from the strategy plugin 'deepspeed' "
+                                 "(torchrig-deepspeed), which is installed but cannot load it"), run.stdout
+    assert "pip install 'torchrig[deepspeed]'" in run.stdout
 
 
 def test_a_name_accelerate_does_not_have_is_a_plain_attribute_error():

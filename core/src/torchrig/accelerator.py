@@ -351,8 +351,12 @@ class Accelerator(ProcessControl):
             if o not in claimed:
                 self._check_late_optimizer(args[o])
                 result[o] = self._wrap_optimizer(args[o], plan)
+        # A strategy may hand back another optimizer than the one given (DeepSpeed builds its own
+        # in place of a placeholder): a scheduler follows what its optimizer became.
+        became = {id(args[o]): result[o] for o in optimizers}
         for s in schedulers:
-            optimizer = next((w for w in self._optimizers if w.optimizer is args[s].optimizer), None)
+            optimizer = became.get(id(args[s].optimizer)) or next(
+                (w for w in self._optimizers if w.optimizer is args[s].optimizer), None)
             if optimizer is None:
                 raise ValueError("prepare(): a scheduler's optimizer must be prepared with it or before it")
             wrapped = self._host.hook.torchrig_prepare_scheduler(run=self._run, scheduler=result[s], optimizers=[optimizer])

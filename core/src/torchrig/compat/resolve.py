@@ -12,10 +12,20 @@ from torchrig.plugin_manager import PluginHost
 
 
 def plugin_export(name: str) -> Any | None:
-    """The object an installed plugin exports as ``name`` (from its torch-free manifest), or None."""
+    """The object an installed plugin exports as ``name`` (from its torch-free manifest), or None
+    when no installed plugin declares it. A plugin that declares it but cannot load it (its library
+    is missing or broken) raises :class:`RefusedNameError` naming the plugin and the cause."""
     for info in PluginHost(register_defaults=False).plugins():
-        if info.manifest is not None and name in info.manifest.exports:
+        if info.manifest is None or name not in info.manifest.exports:
+            continue
+        try:
             return load_reference(info.manifest.exports[name])
+        except ImportError as exc:
+            distribution = (info.record or info.records[0]).distribution
+            hint = f"; install it with: pip install '{info.manifest.install_hint}'" if info.manifest.install_hint else ""
+            raise RefusedNameError(
+                f"{name} comes from the {info.kind.value} plugin {info.name!r} ({distribution}), which is installed "
+                f"but cannot load it: {exc}{hint}", name=name) from exc
     return None
 
 
@@ -43,8 +53,8 @@ def resolve(accelerate_module: str, name: str) -> Any:
             return value
         if target.fallback is not None:
             return load_reference(target.fallback)
-        raise RefusedNameError(f"{where} is provided by a plugin and no installed plugin provides it: "
-                               f"{target.provided_by}", name=name)
+        raise RefusedNameError(f"{where} is provided by a plugin, and no installed plugin exports {target.export!r}; "
+                               f"install one: {target.provided_by}", name=name)
     raise RefusedNameError(f"torchrig does not provide {where} (Accelerate's {accelerate_module}.{name}): "
                            f"{target.reason}. Instead: {target.instead}. See docs/accelerate.md.", name=name)
 

@@ -16,9 +16,16 @@ Where each value comes from (Accelerate's rules, written down once):
   hidden-size dependent bucket sizes from the model's ``config.hidden_size`` (Hugging Face models),
   else DeepSpeed's defaults;
 * ``optimizer.params`` — ``lr``, ``weight_decay``, ``betas``, ``eps`` of the optimizer the script
-  passed to ``prepare`` (DeepSpeed then builds the JSON's optimizer in its place);
+  passed to ``prepare`` (DeepSpeed then builds the JSON's optimizer in its place): a
+  ``DummyOptim``'s ``lr``/``weight_decay``, or a torch optimizer's first parameter group;
 * ``scheduler.params`` — ``warmup_max_lr``/``cycle_max_lr``… from that optimizer's learning rate,
-  ``warmup_min_lr`` 0; step counts have no source and must be numbers.
+  ``warmup_min_lr`` 0; with a ``DummyScheduler``, ``warmup_num_steps`` from it and
+  ``total_num_steps`` from its ``total_num_steps`` (divided by the number of processes unless
+  ``split_batches``, Accelerate's rule: the script counts the steps of the unsharded loader);
+  otherwise step counts have no source and must be numbers.
+
+A ``DummyOptim`` needs an ``optimizer`` block and a ``DummyScheduler`` a ``scheduler`` block (or its
+``lr_scheduler_callable``, which builds the scheduler when the JSON has none).
 
 Defaults torchrig adds when the JSON says nothing: ``zero_allow_untested_optimizer: true`` (a
 script's torch optimizer is the normal case), ``zero_force_ds_cpu_optimizer`` from
@@ -31,7 +38,8 @@ reported before launch by the manifest's checks (:mod:`torchrig_deepspeed.config
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -39,6 +47,7 @@ import attrs
 from torchrig.errors import ConfigError
 from torchrig_deepspeed.config_checks import AUTO, DS_KEY, load_deepspeed_json
 from torchrig_deepspeed.options import DeepSpeedPlugin
+from torchrig_deepspeed.placeholders import DummyOptim, DummyScheduler
 
 #: Accelerate's default ZeRO stage when neither the plugin nor the JSON names one.
 DEFAULT_ZERO_STAGE = 2
@@ -65,6 +74,8 @@ class EngineConfig:
     builds_optimizer: bool = False
     #: DeepSpeed builds and steps the JSON's scheduler.
     builds_scheduler: bool = False
+    #: A ``DummyScheduler``'s ``lr_scheduler_callable``: DeepSpeed builds the scheduler with it.
+    scheduler_callable: Callable[[Any], Any] | None = None
 
 
 def _block(config: dict[str, Any], key: str) -> dict[str, Any]:
@@ -122,6 +133,7 @@ def engine_config(
     model: Any,
     optimizer: Any,
     scheduler: Any,
+    split_batches: bool = False,
 ) -> EngineConfig:
     """The filled DeepSpeed configuration for one model (and its optimizer/scheduler, or None)."""
     source = load_deepspeed_json(options.hf_ds_config).data if options.hf_ds_config is not None else {}
@@ -215,14 +227,29 @@ def engine_config(
                     params[key] = hyper[key]
                 else:
                     problems.append(_no_source(f"optimizer.params.{key}", optimizer is None, "optimizer"))
+    elif isinstance(optimizer, DummyOptim):
+        problems.append(
+            f"{DS_KEY}: the script passed a DummyOptim, which stands for the optimizer of the DeepSpeed config's "
+            "'optimizer' block, but the config has no 'optimizer' block; add one, or pass a torch optimizer")
     block = config.get("scheduler")
+    dummy = scheduler if isinstance(scheduler, DummyScheduler) else None
     if isinstance(block, dict):
         result.builds_scheduler = True
-        if scheduler is not None:
+        if dummy is not None and dummy.lr_scheduler_callable is not None:
+            problems.append(
+                f"{DS_KEY}: the DeepSpeed config builds a scheduler ('scheduler' block) and the DummyScheduler's "
+                "lr_scheduler_callable would build another; remove one of them")
+        elif scheduler is not None and dummy is None:
             problems.append(
                 f"{DS_KEY}: the DeepSpeed config builds a scheduler ('scheduler' block) and the script also prepared "
                 f"one ({type(scheduler).__name__}); two schedulers would drive one optimizer. Remove the 'scheduler' "
-                "block or do not pass the scheduler to prepare()")
+                "block, pass a DummyScheduler in its place, or do not pass the scheduler to prepare()")
+        counts: dict[str, Any] = {}
+        if dummy is not None:
+            counts["warmup_num_steps"] = dummy.warmup_num_steps
+            if dummy.total_num_steps is not None:
+                counts["total_num_steps"] = (dummy.total_num_steps if split_batches
+                                             else math.ceil(dummy.total_num_steps / world_size))
         params = block.get("params")
         if isinstance(params, dict):
             for key, value in list(params.items()):
@@ -232,9 +259,18 @@ def engine_config(
                     params[key] = 0.0
                 elif key.endswith("max_lr") and "lr" in hyper:
                     params[key] = hyper["lr"]
+                elif key in counts:
+                    params[key] = counts[key]
                 else:
                     problems.append(_no_source(f"scheduler.params.{key}", optimizer is None and key.endswith("max_lr"),
                                                "optimizer"))
+    elif dummy is not None:
+        if dummy.lr_scheduler_callable is None:
+            problems.append(
+                f"{DS_KEY}: the script passed a DummyScheduler, which stands for the scheduler of the DeepSpeed "
+                "config's 'scheduler' block, but the config has none; add a 'scheduler' block, give the "
+                "DummyScheduler an lr_scheduler_callable, or pass a torch scheduler")
+        result.scheduler_callable = dummy.lr_scheduler_callable
 
     leftovers = sorted(_auto_paths(config))
     problems.extend(f"{DS_KEY}: {path!r} is \"auto\" but torchrig has no value to fill it with; set a value in the "
@@ -253,10 +289,11 @@ def _no_source(path: str, missing_object: bool, what: str) -> str:
 
 
 def _hyperparameters(optimizer: Any) -> dict[str, Any]:
-    """``lr``/``weight_decay``/``betas``/``eps`` of the script's optimizer (its first param group)."""
+    """``lr``/``weight_decay``/``betas``/``eps`` of the script's optimizer: a ``DummyOptim``'s own
+    values (Accelerate's rule), else its first param group."""
     if optimizer is None or not getattr(optimizer, "param_groups", None):
         return {}
-    group = optimizer.param_groups[0]
+    group = {**optimizer.defaults, **optimizer.kwargs} if isinstance(optimizer, DummyOptim) else optimizer.param_groups[0]
     found: dict[str, Any] = {}
     for key in ("lr", "weight_decay", "betas", "eps", "momentum"):
         if key in group:

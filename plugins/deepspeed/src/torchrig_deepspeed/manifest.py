@@ -28,6 +28,8 @@ class DeepSpeedManifest(PluginManifest):
     distributed_type = "DEEPSPEED"
     state_attribute = "deepspeed_plugin"
     exports = {"DeepSpeedPlugin": "torchrig_deepspeed.options:DeepSpeedPlugin",
+               "DummyOptim": "torchrig_deepspeed.placeholders:DummyOptim",
+               "DummyScheduler": "torchrig_deepspeed.placeholders:DummyScheduler",
                "GatheredParameters": "torchrig_deepspeed.compat:GatheredParameters",
                "get_active_deepspeed_plugin": "torchrig_deepspeed.compat:get_active_deepspeed_plugin"}
     config_section = ConfigSection(

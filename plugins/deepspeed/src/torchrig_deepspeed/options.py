@@ -12,13 +12,16 @@ Torch-free: DeepSpeed is imported only by the runtime and, lazily, by the valida
 
 from __future__ import annotations
 
+import copy
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from torchrig.config.schema import at_least, between, class_names, option
+from torchrig_deepspeed.config_checks import load_deepspeed_json
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 #: The only ``deepspeed_multinode_launcher`` torchrig has: ``torchrig launch`` on each machine.
@@ -68,6 +71,11 @@ def _hostfile(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _offload_device(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and value not in OFFLOAD_DEVICES:
         raise ValueError(f"must be one of {', '.join(OFFLOAD_DEVICES)}, got {value!r}", attribute)
+
+
+#: The configuration dict of each live DeepSpeedPlugin, by identity: one dict per plugin object (as
+#: Accelerate's), so that what ``prepare`` fills in is visible through ``deepspeed_config``.
+_CONFIG_DICTS: dict[int, dict[str, Any]] = {}
 
 
 @attrs.frozen(kw_only=True)
@@ -129,6 +137,46 @@ class DeepSpeedPlugin:
                     "DeepSpeedCPUAdam. Off by default (DeepSpeed's default is on): torchrig lets a script's own torch "
                     "optimizer run with offload. The JSON's zero_force_ds_cpu_optimizer wins when present",
         aliases=("zero_force_ds_cpu_optimizer",))
+
+    @property
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The DeepSpeed configuration as a dict (Accelerate's ``deepspeed_config``): the JSON of
+        ``hf_ds_config`` as written, ``"auto"`` values included, or without one what these fields
+        say; once a model is prepared, the configuration its engine was built with (every
+        ``"auto"`` filled). The same dict object throughout, so scripts may keep a reference."""
+        key = id(self)
+        found = _CONFIG_DICTS.get(key)
+        if found is None:
+            found = _CONFIG_DICTS[key] = self._declared_config()
+            weakref.finalize(self, _CONFIG_DICTS.pop, key, None)
+        return found
+
+    def _declared_config(self) -> dict[str, Any]:
+        if self.hf_ds_config is not None:
+            return copy.deepcopy(dict(load_deepspeed_json(self.hf_ds_config).data))
+        zero: dict[str, Any] = {"stage": self.zero_stage if self.zero_stage is not None else "auto"}
+        for kind in ("optimizer", "param"):
+            device = getattr(self, f"offload_{kind}_device")
+            if device not in (None, "none"):
+                zero[f"offload_{kind}"] = {"device": device, "nvme_path": getattr(self, f"offload_{kind}_nvme_path")}
+        zero["stage3_gather_16bit_weights_on_model_save"] = self.zero3_save_16bit_model
+        config: dict[str, Any] = {
+            "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": self.gradient_accumulation_steps or "auto",
+            "zero_optimization": zero,
+        }
+        if self.gradient_clipping is not None:
+            config["gradient_clipping"] = self.gradient_clipping
+        return config
+
+    def adopt_engine_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Make :attr:`deepspeed_config` show ``config`` (the first engine's, filled) and return
+        the shared dict, which the strategy keeps using so later corrections show too."""
+        shared = self.deepspeed_config
+        if shared is not config:
+            shared.clear()
+            shared.update(config)
+        return shared
 
 
 __all__ = ["OFFLOAD_DEVICES", "STANDARD_LAUNCHER", "DeepSpeedPlugin"]

@@ -40,6 +40,7 @@ from torchrig_deepspeed import checkpoint as ds_checkpoint
 from torchrig_deepspeed.config_checks import SECTION
 from torchrig_deepspeed.ds_config import EngineConfig, engine_config, micro_batch_of
 from torchrig_deepspeed.options import DeepSpeedPlugin
+from torchrig_deepspeed.placeholders import DummyScheduler, EngineBuiltScheduler
 
 logger = get_logger(__name__)
 
@@ -163,8 +164,12 @@ class DeepSpeedStrategy:
             options, mixed_precision=str(run.option("mixed_precision") or "no"),
             accumulation_steps=_accumulation_steps(run, options), world_size=run.cluster.world_size,
             micro_batch=micro_batch_of(run.stash.get(LOADERS) or [], options.is_train_batch_min),
-            model=model, optimizer=optimizer, scheduler=schedulers[0] if schedulers else None)
-        if built.builds_optimizer and schedulers:
+            model=model, optimizer=optimizer, scheduler=schedulers[0] if schedulers else None,
+            split_batches=bool(run.option("dataloader_config.split_batches", False)))
+        if not records:  # Accelerate's deepspeed_plugin.deepspeed_config shows the first engine's configuration
+            built.config = options.adopt_engine_config(built.config)
+        placeholder = bool(schedulers) and isinstance(schedulers[0], DummyScheduler)
+        if built.builds_optimizer and schedulers and not placeholder:
             raise DeepSpeedStrategyError(
                 f"deepspeed: the DeepSpeed config builds the optimizer ('optimizer' block), so a scheduler over the "
                 f"script's {type(optimizer).__name__} would not drive it; use a 'scheduler' block in the DeepSpeed "
@@ -178,6 +183,8 @@ class DeepSpeedStrategy:
             kwargs["model_parameters"] = _parameter_groups(model, optimizer)
         elif optimizer is not None:
             kwargs["optimizer"] = optimizer
+        if built.scheduler_callable is not None:
+            kwargs["lr_scheduler"] = built.scheduler_callable
         try:
             engine, _, _, _ = deepspeed.initialize(**kwargs)
         except AssertionError as exc:  # DeepSpeed reports configuration problems as assertions
@@ -190,8 +197,9 @@ class DeepSpeedStrategy:
                               optimizer=handed_back, built=built)
         records.append(record)
         _cast_at_the_boundary(engine)
+        prepared_schedulers = [EngineBuiltScheduler(engine.lr_scheduler, handed_back)] if placeholder else list(schedulers)
         return PreparedModel(model=engine, unwrapped=engine.module,
-                             optimizers=[handed_back] if optimizers else [], schedulers=list(schedulers))
+                             optimizers=[handed_back] if optimizers else [], schedulers=prepared_schedulers)
 
     @hookimpl(wrapper=True)
     def torchrig_prepare_dataloader(self, run: RunContext, dataloader: Any, device_placement: bool) -> Any:
@@ -212,6 +220,8 @@ class DeepSpeedStrategy:
 
     @hookimpl
     def torchrig_prepare_scheduler(self, run: RunContext, scheduler: Any, optimizers: Sequence[Any]) -> Any:
+        if isinstance(scheduler, EngineBuiltScheduler):
+            return scheduler  # the engine steps it
         records = [r for r in (_record_of_optimizer(run, o) for o in optimizers) if r is not None]
         if not records:
             return None
