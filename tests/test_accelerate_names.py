@@ -123,7 +123,7 @@ def test_a_name_accelerate_does_not_have_is_a_plain_attribute_error():
 
 
 def test_the_table_and_the_cli_stay_torch_free():
-    code = ("import sys; import torchrig, torchrig.compat.accelerate_names, torchrig.compat.targets; "
+    code = ("import sys; import torchrig, torchrig.utils, torchrig.compat.accelerate_names, torchrig.compat.targets; "
             "torchrig.__dir__(); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT)
     help_run = subprocess.run([sys.executable, "-X", "importtime", "-m", "torchrig", "--help"], check=False,

@@ -1,7 +1,9 @@
 """`torchrig new-plugin NAME KIND`: the rendered distributions work as a plugin author uses them.
 
 One test walks the author's path for all five kinds at once, in a fresh virtual environment
-that sees this one's packages (``--system-site-packages``), so nothing is installed here: render,
+that sees the packages of the environment running the tests (a ``.pth`` adds its site
+directories: ``--system-site-packages`` would show the *base* interpreter's instead, which in a
+virtual environment lacks torchrig and the build tools), so nothing is installed here: render,
 ``pip install -e``, ``torchrig plugins`` lists them, a config file selects each by name (validated,
 then a real one-process run), and the generated contract tests pass — without touching torchrig's
 source.
@@ -13,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +93,16 @@ print(json.dumps({"strategy": accelerator.strategy, "precision": accelerator.mix
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
+def see_this_environment(python: str) -> None:
+    """Let the virtual environment of ``python`` import what this environment has (after its own
+    packages): ``site.addsitedir`` also runs the editable installs' ``.pth`` files."""
+    own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True,
+                         text=True, check=True, timeout=60).stdout.strip()
+    ours = [path for path in site.getsitepackages() if os.path.isdir(path)]
+    Path(own, "zz_test_environment.pth").write_text(
+        "".join(f"import site; site.addsitedir({path!r})\n" for path in ours))
+
+
 def test_rendered_plugins_install_list_select_and_pass_their_contracts(tmp_path, process_guard):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
     env.update(TORCHRIG_CONFIG_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
@@ -105,8 +118,9 @@ def test_rendered_plugins_install_list_select_and_pass_their_contracts(tmp_path,
     for kind in KINDS:
         run(sys.executable, "-m", "torchrig", "new-plugin", f"acme_{kind}", kind, "--dir", f"acme-{kind}")
     venv = tmp_path / "venv"
-    run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv))
+    run(sys.executable, "-m", "venv", "--without-pip", str(venv))
     python = str(venv / "bin" / "python")
+    see_this_environment(python)
     run(python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
         *(arg for kind in KINDS for arg in ("-e", f"acme-{kind}")))
 

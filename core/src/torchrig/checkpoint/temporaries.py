@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from torchrig.checkpoint.files import fsync_path
+from torchrig.utils.environment import process_is_alive
 
 OWNER_SUFFIX = ".owner"
 HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|deleting|replaced)-(?P<token>[0-9a-f]+)$")
@@ -99,18 +100,6 @@ def read_owner(directory: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OverflowError, ValueError):
-        return False
-    return True
-
-
 def owner_is_dead(directory: str) -> bool:
     """Whether the record of ``directory`` proves its owner is gone (module docstring)."""
     record = read_owner(directory)
@@ -125,7 +114,7 @@ def owner_is_dead(directory: str) -> bool:
     if pid == os.getpid() and start == process_start_time(pid):
         with _ACTIVE_LOCK:
             return os.path.normpath(directory) not in _ACTIVE
-    if not _alive(pid):
+    if not process_is_alive(pid):
         return True
     return start is not None and process_start_time(pid) not in (None, start)
 

@@ -29,7 +29,7 @@ class NewPluginError(TorchrigError):
 
 def _pyproject(kind: PluginKind) -> str:
     return f'''[build-system]
-requires = ["setuptools>=61"]
+requires = ["setuptools>=64"]  # editable installs (PEP 660)
 build-backend = "setuptools.build_meta"
 
 [project]

@@ -10,14 +10,13 @@ rank, its exit code and its traceback.
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchrig.enums import PrecisionType
 from torchrig.runtime import latest_run
+from torchrig.utils.environment import patch_environment
 
 #: Start method per device type: runtimes that initialise themselves in the parent cannot be forked.
 _SPAWN_DEVICES = frozenset({"xpu"})
@@ -29,20 +28,6 @@ class NotebookLaunchError(RuntimeError):
     def __init__(self, message: str, failures: Mapping[int, str]):
         super().__init__(message)
         self.failures = dict(failures)
-
-
-@contextmanager
-def _patched_environ(values: Mapping[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 def _refuse_when_initialised() -> None:
@@ -99,7 +84,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_proces
         raise ValueError(f"notebook_launcher: node_rank ({node_rank}) must be less than num_nodes ({num_nodes}).")
     precision_env = {} if precision.value == "no" else {"TORCHRIG_MIXED_PRECISION": precision.value}
     if num_processes == 1 and num_nodes == 1:
-        with _patched_environ(precision_env):
+        with patch_environment(**precision_env):
             print(f"Launching training on one {_device_type().upper()}.")
             function(*args)
         return
@@ -120,7 +105,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_proces
     environ = {"FORK_LAUNCHED": "1" if start_method == "fork" else "0", "MASTER_ADDR": master_addr,
                "MASTER_PORT": str(use_port), **precision_env}
     print(f"Launching training on {num_processes} {device_type.upper()}s.")
-    with _patched_environ(environ):
+    with patch_environment(**environ):
         try:
             elastic_launch(config=config, entrypoint=function)(*args)
         except ChildFailedError as error:
@@ -134,7 +119,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_proces
 def debug_launcher(function: Callable[..., Any], args: tuple = (), num_processes: int = 2) -> None:
     """Run ``function(*args)`` on ``num_processes`` CPU processes with gloo (for debugging, as in Accelerate)."""
     # Hiding the GPUs (rather than setting use_cpu) keeps an explicit Accelerator(cpu=...) free of override warnings.
-    with _patched_environ({"CUDA_VISIBLE_DEVICES": ""}):
+    with patch_environment(CUDA_VISIBLE_DEVICES=""):
         notebook_launcher(function, args=args, num_processes=num_processes, use_port=str(_free_port()))
 
 

@@ -43,6 +43,7 @@ from typing import Any
 
 from torchrig.launch import status as _status
 from torchrig.launch.supervisor import supervise
+from torchrig.utils.environment import process_is_alive
 
 #: Seconds a rank gets to stop on its own after SIGTERM/SIGINT before it is ended from the
 #: watchdog thread (it is then stuck in native code). Below the launcher's SIGKILL grace.
@@ -80,16 +81,6 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return _libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _parse(argv: Sequence[str]) -> tuple[dict[str, str], str, str, list[str]]:
@@ -386,12 +377,12 @@ def _wait(child: subprocess.Popen[bytes], grace: float) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     opts, mode, target, args = _parse(sys.argv[1:] if argv is None else argv)
     launcher = int(opts.get("launcher_pid") or 0)
-    if launcher and os.getppid() != launcher and not _alive(launcher):
+    if launcher and os.getppid() != launcher and not process_is_alive(launcher):
         return 128 + signal.SIGKILL  # the launcher died before we could ask to die with it
     if opts.get("supervise", "1") != "0":
         supervise(float(opts.get("kill_grace", KILL_GRACE_S)))  # returns in the rank; the supervisor never returns
     set_parent_death_signal()
-    if launcher and not _alive(launcher):
+    if launcher and not process_is_alive(launcher):
         return 128 + signal.SIGKILL
     rank = _env_int("RANK", 0)
     log_dir = opts.get("log_dir") or os.getcwd()

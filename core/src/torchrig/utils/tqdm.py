@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from torchrig.compat.resolve import module_attributes
-from torchrig.process import PartialState
 
 
 def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
     """``tqdm.auto.tqdm(*args, **kwargs)``, disabled on every process but the local main one
     unless ``main_process_only=False``. Needs ``tqdm`` (``pip install tqdm``)."""
+    # Imported here, not at the top: torchrig.utils binds this function eagerly and must stay
+    # torch-free to import (torchrig.process needs torch).
+    from torchrig.process import PartialState
+
     try:
         from tqdm.auto import tqdm as auto_tqdm
     except ImportError as exc:
