@@ -138,19 +138,6 @@ PROCESSES_1_SLOW = [pytest.param(1, id="1proc", marks=pytest.mark.slow),
                     pytest.param(2, id="2proc", marks=pytest.mark.multiprocess)]
 
 
-def _torchrig_provides(module: str, name: str) -> bool:
-    """Whether the renamed import an example needs resolves (names other helpers are still adding)."""
-    try:
-        return hasattr(__import__(module, fromlist=[name]), name)
-    except ImportError:
-        return False
-
-
-def _needs(module: str, name: str):
-    reason = f"the example imports {module}.{name}, which torchrig does not provide here yet (issue 17)"
-    return pytest.mark.skipif(not _torchrig_provides(module, name), reason=reason)
-
-
 VALIDATION_ROWS = 41  # offline.VALIDATION_ROWS: every evaluation row counted once, on 1 rank or 2
 
 # Examples whose observable result is the epoch metric line over the whole validation split.
@@ -159,14 +146,11 @@ PLAIN = [
     pytest.param(Example("early_stopping.py", ["--cpu"]), id="early_stopping"),
     pytest.param(Example("memory.py", ["--cpu"]), id="memory"),
     pytest.param(Example("multi_process_metrics.py", ["--cpu"]), id="multi_process_metrics"),
-    pytest.param(Example("schedule_free.py", ["--cpu"]), id="schedule_free",
-                 marks=pytest.mark.skipif(not _torchrig_provides("schedulefree", "AdamWScheduleFree"),
-                                          reason="the example needs `pip install schedulefree`")),
+    pytest.param(Example("schedule_free.py", ["--cpu"]), id="schedule_free"),  # schedulefree: requirements-dev
     pytest.param(Example("ddp_comm_hook.py", ["--cpu", "--ddp_comm_hook", "fp16"]), id="ddp_comm_hook-fp16"),
     pytest.param(Example("gradient_accumulation.py", ["--cpu", "--gradient_accumulation_steps", "2"]),
                  id="gradient_accumulation"),
-    pytest.param(Example("local_sgd.py", ["--cpu", "--local_sgd_steps", "2"]), id="local_sgd",
-                 marks=_needs("torchrig.local_sgd", "LocalSGD")),
+    pytest.param(Example("local_sgd.py", ["--cpu", "--local_sgd_steps", "2"]), id="local_sgd"),
 ]
 
 
@@ -261,7 +245,6 @@ def test_tracking_logs_to_every_available_tracker(processes, tmp_path, process_g
     assert list((logs / "tracking").glob("events.out.tfevents.*")), "no TensorBoard event file"
 
 
-@_needs("torchrig.utils", "ProfileKwargs")
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
 @pytest.mark.parametrize("processes", PROCESSES_1_SLOW)
 def test_profiler_writes_a_chrome_trace_per_rank(processes, tmp_path, process_guard):
@@ -315,7 +298,6 @@ ZERO2_CONFIG = {
 }
 
 
-@_needs("torchrig.utils", "DummyOptim")
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
 @pytest.mark.parametrize("processes", PROCESSES)
 def test_deepspeed_with_config_support_trains_from_the_json_config(processes, tmp_path, process_guard):
