@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.compile import compile_model
 from torchrig.config.options import ProfileKwargs
@@ -188,16 +189,18 @@ class Accelerator(ProcessControl):
         self._configure_accumulation()
         self._plan: StepPlan | None = None
         self._plan_generation = -1
-        self._models: list[PreparedModel] = []
+        #: What is prepared and registered, in order: appended to here, read by the checkpoints.
+        self._ledger = CheckpointLedger(self._run, self.gradient_state)
+        self._models: list[PreparedModel] = self._ledger.models
         #: Parameters a strategy replaced at prepare (id → weak reference, model class): an
         #: optimizer prepared later over them is refused.
         self._replaced_params: dict[int, tuple[Any, str]] = {}
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[Any] = []
-        self._dataloaders: list[Any] = []
+        self._optimizers: list[AcceleratedOptimizer] = self._ledger.optimizers
+        self._schedulers: list[Any] = self._ledger.schedulers
+        self._dataloaders: list[Any] = self._ledger.dataloaders
         self._accumulate = _AccumulateContext(self)
         self.flag_tensor: Any = None
-        self._checkpoints = CheckpointManager(self)
+        self._checkpoints = CheckpointManager(self._ledger)
         self._trackers = TrackerHub(self._run)
 
     def _configure_accumulation(self) -> None:
@@ -593,10 +596,7 @@ class Accelerator(ProcessControl):
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget every prepared object, collect garbage and empty the device cache."""
-        self._models.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._dataloaders.clear()
+        self._ledger.forget_prepared()
         gc.collect()
         if self._run.device is not None:
             self._run.device.empty_cache()
@@ -684,7 +684,7 @@ class Accelerator(ProcessControl):
                    if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
         if invalid:
             raise ValueError(f"register_for_checkpointing: {', '.join(invalid)} lack state_dict()/load_state_dict()")
-        self._checkpoints.custom_objects.extend(objects)
+        self._ledger.custom_objects.extend(objects)
 
     def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> Any:
         """``hook(models, weights, output_dir)`` runs before a save; removing a model (or its

@@ -18,6 +18,7 @@ from torchrig.checkpoint import layout
 from torchrig.checkpoint.files import CheckpointError
 from torchrig.checkpoint.state import FINGERPRINT_SECTIONS, comparable_data_order, diff, reseed_rng, restore_rng
 from torchrig.checkpoint.trust import load_pickled
+from torchrig.state_dicts import load_structured
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.checkpoint.manager import CheckpointManager
@@ -31,8 +32,7 @@ def describe(exc: BaseException) -> str:
 
 def load(manager: CheckpointManager, input_dir: str | os.PathLike[str] | None, *, allow_config_change: bool,
          allow_world_size_change: bool, verify_hashes: bool, allow_pickle: bool, skip_damaged: bool) -> str:
-    accelerator = manager._accelerator
-    rank = accelerator._run.cluster.rank
+    rank = manager.ledger.run.cluster.rank
     collectives = manager._collectives()
     found: dict[str, Any] = {}
     if rank == 0:
@@ -98,9 +98,9 @@ def resolve(manager: CheckpointManager, input_dir: str | os.PathLike[str] | None
 
 def check_compatible(manager: CheckpointManager, directory: str, manifest: Mapping[str, Any],
                      allow_config_change: bool, allow_world_size_change: bool) -> None:
-    accelerator = manager._accelerator
+    ledger = manager.ledger
     problems = []
-    world = accelerator._run.cluster.world_size
+    world = ledger.run.cluster.world_size
     saved_world = manifest["world_size"]
     if saved_world != world and not allow_world_size_change:
         problems.append(f"world size: checkpoint {saved_world}, now {world} (pass "
@@ -109,7 +109,7 @@ def check_compatible(manager: CheckpointManager, directory: str, manifest: Mappi
     saved = manifest.get("fingerprint", {})
     saved_config = dict(saved.get("config", {}))
     saved_order, data_order = comparable_data_order(saved.get("data_order") or [], data_order,
-                                                    accelerator._dataloaders)
+                                                    ledger.dataloaders)
     if saved_world != world:
         # What follows from the world size is not a configuration change: the strategy
         # (single <-> data parallel; the strategy's load hook refuses formats it cannot
@@ -128,9 +128,8 @@ def check_compatible(manager: CheckpointManager, directory: str, manifest: Mappi
             problems.append("configuration changed since the checkpoint (pass load_state(..., "
                             "allow_config_change=True) to load anyway):\n    " + "\n    ".join(lines))
     contents = manifest.get("contents", {})
-    for name, have in (("models", len(accelerator._models)), ("schedulers", len(accelerator._schedulers)),
-                       ("dataloaders", len(accelerator._dataloaders)),
-                       ("custom_objects", len(manager.custom_objects))):
+    for name, have in (("models", len(ledger.models)), ("schedulers", len(ledger.schedulers)),
+                       ("dataloaders", len(ledger.dataloaders)), ("custom_objects", len(ledger.custom_objects))):
         if contents.get(name, have) != have:
             problems.append(f"{name}: the checkpoint has {contents.get(name)}, this run prepared/registered {have}")
     if problems:
@@ -148,13 +147,11 @@ def _custom_file(directory: str, index: int, listed: set[str]) -> str | None:
 
 
 def restore(manager: CheckpointManager, directory: str, manifest: Mapping[str, Any], allow_pickle: bool) -> None:
-    from torchrig.state_dicts import load_structured
-
-    accelerator = manager._accelerator
-    run = accelerator._run
+    ledger = manager.ledger
+    run = ledger.run
     rank = run.cluster.rank
     listed = {entry["path"] for entry in manifest["files"]}
-    prepared = list(accelerator._models)
+    prepared = list(ledger.models)
     if manager.load_pre_hooks:
         models = [item.model for item in prepared]
         kept = list(models)
@@ -162,7 +159,7 @@ def restore(manager: CheckpointManager, directory: str, manifest: Mapping[str, A
             hook(kept, directory)
         prepared = [item for item, model in zip(prepared, models) if any(m is model for m in kept)]
     try:
-        accelerator._host.hook.torchrig_load_strategy_state(run=run, prepared=prepared, directory=directory,
+        ledger.host.hook.torchrig_load_strategy_state(run=run, prepared=prepared, directory=directory,
                                                             manifest=manifest, allow_pickle=allow_pickle)
     except _PASS_THROUGH:
         raise
@@ -174,9 +171,9 @@ def restore(manager: CheckpointManager, directory: str, manifest: Mapping[str, A
             raise CheckpointError(f"{directory} has no {name} ({what}) in its manifest")
         return load_pickled(os.path.join(directory, name), what, allow_pickle=allow_pickle)
 
-    for index, scheduler in enumerate(accelerator._schedulers):
+    for index, scheduler in enumerate(ledger.schedulers):
         scheduler.load_state_dict(read(layout.numbered("scheduler", index, ".bin"), f"scheduler {index}"))
-    for index, loader in enumerate(accelerator._dataloaders):
+    for index, loader in enumerate(ledger.dataloaders):
         name = layout.numbered("dl_state_dict", index, ".bin")
         if hasattr(loader, "load_state_dict") and name in listed:
             loader.load_state_dict(read(name, f"dataloader {index}"))
@@ -186,7 +183,7 @@ def restore(manager: CheckpointManager, directory: str, manifest: Mapping[str, A
             raise CheckpointError(f"{directory} has no {path} for the plugin state {name!r} this run has (was it "
                                   "saved with another precision or strategy?)")
         obj.load_state_dict(read(path, f"plugin state {name!r}"))
-    for index, obj in enumerate(manager.custom_objects):
+    for index, obj in enumerate(ledger.custom_objects):
         name = _custom_file(directory, index, listed)
         if name is None:
             raise CheckpointError(f"{directory} has no file for registered object {index} ({type(obj).__name__})")
@@ -199,7 +196,7 @@ def restore(manager: CheckpointManager, directory: str, manifest: Mapping[str, A
         restore_rng(read(rng_file, f"the RNG state of rank {rank}"))
     else:
         reseed_rng(manifest["sequence"], rank)
-    accelerator.gradient_state.step = manifest.get("accumulation_step", 0)
+    ledger.gradient_state.step = manifest.get("accumulation_step", 0)
     if manifest.get("iteration") is not None:
         manager.iteration = manifest["iteration"] + 1
 

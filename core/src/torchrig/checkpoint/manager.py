@@ -33,8 +33,9 @@ import os
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from torchrig._version import __version__
 from torchrig.checkpoint import faults, layout, loading, temporaries
 from torchrig.checkpoint.files import (
     CheckpointError,
@@ -44,6 +45,7 @@ from torchrig.checkpoint.files import (
     fsync_path,
     hash_file,
 )
+from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.loading import describe as _describe
 from torchrig.checkpoint.pending import PendingSave
 from torchrig.checkpoint.state import capture_rng, describe_dataloader, digest, fingerprint_config
@@ -51,10 +53,10 @@ from torchrig.checkpoint.trust import check_loadable
 from torchrig.collectives import Collectives
 from torchrig.config.resolve import Schema
 from torchrig.launch import status
+from torchrig.logging import get_logger
 from torchrig.state_dicts import save_structured
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torchrig.accelerator import Accelerator
+logger = get_logger(__name__)
 
 #: Rank-0 phases that other ranks pass while they wait for the commit (see ``faults``).
 _COMMIT_PHASES = ("before_manifest", "before_rename", "before_latest", "before_rotation_delete")
@@ -62,13 +64,12 @@ _PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 class CheckpointManager:
-    """The checkpointing half of an :class:`~torchrig.accelerator.Accelerator`."""
+    """Saves and loads what a :class:`~torchrig.checkpoint.ledger.CheckpointLedger` lists; it
+    never sees the Accelerator."""
 
-    def __init__(self, accelerator: Accelerator) -> None:
-        self._accelerator = accelerator
-        project = accelerator.config.section("project_config")
-        self.iteration = int(project.iteration)
-        self.custom_objects: list[Any] = []
+    def __init__(self, ledger: CheckpointLedger) -> None:
+        self.ledger = ledger
+        self.iteration = int(self._project.iteration)
         self._strategy_sections: tuple[int, list[str]] | None = None  # (plugin generation, sections)
         self.save_pre_hooks: collections.OrderedDict[int, Callable[..., Any]] = collections.OrderedDict()
         self.load_pre_hooks: collections.OrderedDict[int, Callable[..., Any]] = collections.OrderedDict()
@@ -82,7 +83,11 @@ class CheckpointManager:
 
     @property
     def _project(self) -> Any:
-        return self._accelerator.config.section("project_config")
+        return self.ledger.run.config.section("project_config")  # type: ignore[attr-defined]
+
+    @property
+    def custom_objects(self) -> list[Any]:
+        return self.ledger.custom_objects
 
     def checkpoints_root(self, output_dir: str | os.PathLike[str] | None = None) -> str:
         if output_dir is not None:
@@ -113,8 +118,7 @@ class CheckpointManager:
     def _collectives(self) -> Collectives:
         """Collectives on a gloo group of its own: CPU objects under any backend, and safe to use
         from the background thread while training uses the default group."""
-        run = self._accelerator._run
-        world = run.cluster.world_size
+        world = self.ledger.run.cluster.world_size
         if world > 1 and not self._group_made:
             import torch.distributed as dist
 
@@ -129,8 +133,7 @@ class CheckpointManager:
         """Save everything; returns the checkpoint directory (committed when this returns,
         unless ``async_save``: then committed in the background)."""
         self.wait()
-        accelerator = self._accelerator
-        run = accelerator._run
+        run = self.ledger.run
         rank = run.cluster.rank
         project = self._project
         async_save = project.async_save if async_save is None else bool(async_save)
@@ -210,9 +213,8 @@ class CheckpointManager:
 
     def _write_state(self, writer: CheckpointWriter) -> list[str]:
         """Write this rank's files; returns the files a library wrote without the writer."""
-        accelerator = self._accelerator
-        run = accelerator._run
-        host = accelerator._host
+        ledger = self.ledger
+        run, host = ledger.run, ledger.host
         rank = run.cluster.rank
         main = run.cluster.is_main_process
         prepared = self._models_for_save(writer.directory)
@@ -221,16 +223,16 @@ class CheckpointManager:
                                                          writer=writer) or []
         faults.point("mid_optimizer", rank)  # ranks that wrote no optimizer file pass it here
         if main:
-            for index, scheduler in enumerate(accelerator._schedulers):
+            for index, scheduler in enumerate(ledger.schedulers):
                 _save_checked(writer, scheduler.state_dict(), layout.numbered("scheduler", index, ".bin"),
                               f"scheduler {index}")
-            for index, loader in enumerate(accelerator._dataloaders):
+            for index, loader in enumerate(ledger.dataloaders):
                 if hasattr(loader, "state_dict"):
                     _save_checked(writer, loader.state_dict(), layout.numbered("dl_state_dict", index, ".bin"),
                                   f"dataloader {index}")
             for name, obj in self._plugin_state().items():
                 _save_checked(writer, obj.state_dict(), f"{name}.pt", f"plugin state {name!r}")
-            for index, obj in enumerate(self.custom_objects):
+            for index, obj in enumerate(ledger.custom_objects):
                 # safetensors + a JSON skeleton (no pickle); a restricted-pickle .bin if it holds more
                 save_structured(writer, obj.state_dict(), f"custom_checkpoint_{index}",
                                 what=f"registered object {index} ({type(obj).__name__})")
@@ -240,7 +242,7 @@ class CheckpointManager:
     def _models_for_save(self, directory: str) -> list[Any]:
         """The prepared models the save pre-hooks kept (a hook removes a model, or its weights,
         from the lists it is given to save that model itself)."""
-        prepared = list(self._accelerator._models)
+        prepared = list(self.ledger.models)
         if not self.save_pre_hooks:
             return prepared
         models = [item.model for item in prepared]
@@ -253,9 +255,8 @@ class CheckpointManager:
 
     def _plugin_state(self) -> dict[str, Any]:
         """Objects plugins want checkpointed (``torchrig_checkpoint_state``), by file name."""
-        accelerator = self._accelerator
         state: dict[str, Any] = {}
-        for contribution in accelerator._host.hook.torchrig_checkpoint_state(run=accelerator._run):
+        for contribution in self.ledger.host.hook.torchrig_checkpoint_state(run=self.ledger.run):
             for name, obj in (contribution or {}).items():
                 if name in state:
                     raise CheckpointError(f"two plugins contribute checkpoint state named {name!r}")
@@ -266,41 +267,37 @@ class CheckpointManager:
         """The manifest but its files and ``sequence`` (given at the commit, in commit order)."""
         import torch
 
-        from torchrig import __version__
-
-        accelerator = self._accelerator
-        run = accelerator._run
+        ledger = self.ledger
+        run = ledger.run
         config_keys, data_order = self._fingerprint()
         return {
             "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "iteration": number,
-            "accumulation_step": accelerator.gradient_state.step,
+            "accumulation_step": ledger.gradient_state.step,
             "created_at": time.time(), "world_size": run.cluster.world_size, "num_nodes": run.cluster.num_nodes,
             "strategy": run.config.get("strategy"), "hashes": hashes,
             "versions": {"torchrig": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "fingerprint": {"config_hash": digest(config_keys), "data_order_hash": digest(data_order),
                             "config": config_keys, "data_order": data_order},
-            "contents": {"models": len(accelerator._models), "optimizers": len(accelerator._optimizers),
-                         "schedulers": len(accelerator._schedulers),
-                         "dataloaders": len(accelerator._dataloaders), "custom_objects": len(self.custom_objects)},
+            "contents": {"models": len(ledger.models), "optimizers": len(ledger.optimizers),
+                         "schedulers": len(ledger.schedulers),
+                         "dataloaders": len(ledger.dataloaders), "custom_objects": len(ledger.custom_objects)},
         }
 
     def _fingerprint(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        accelerator = self._accelerator
-        config = accelerator.config
+        config: Any = self.ledger.run.config
         owner = f"strategy:{config.get('strategy')}"
-        host = accelerator._host
+        host = self.ledger.host
         if self._strategy_sections is None or self._strategy_sections[0] != host.generation:
             # The schema reads every section's type hints (~5 ms); it changes only with the plugins.
             self._strategy_sections = (host.generation, [key for key, by in Schema(host).section_owner.items()
                                                           if by == owner])
         sections = self._strategy_sections[1]
-        return fingerprint_config(config.items(), sections), [describe_dataloader(d) for d in accelerator._dataloaders]
+        return fingerprint_config(config.items(), sections), [describe_dataloader(d) for d in self.ledger.dataloaders]
 
     def _finish(self, collectives: Collectives, writer: CheckpointWriter, extra_files: list[str],
                 local_error: str | None, temporary: str, target: str, root: str | None, base: dict[str, Any],
                 overwrite: bool) -> str:
-        run = self._accelerator._run
-        rank = run.cluster.rank
+        rank = self.ledger.run.cluster.rank
         records: list[FileRecord] = []
         if local_error is None:
             try:
@@ -331,7 +328,7 @@ class CheckpointManager:
             raise CheckpointError(outcome["error"])
         status.record(last_checkpoint=target)  # every rank's status file names it
         for message in outcome.get("warnings", []):
-            self._accelerator_warning(message)
+            logger.warning(message)
         return target
 
     def _commit(self, reports: Sequence[Mapping[str, Any]], temporary: str, target: str, root: str | None,
@@ -404,13 +401,7 @@ class CheckpointManager:
         return warnings
 
     def _notify_committed(self, target: str, manifest: Mapping[str, Any]) -> None:
-        accelerator = self._accelerator
-        accelerator._host.hook.torchrig_checkpoint_committed(run=accelerator._run, directory=target, manifest=manifest)
-
-    def _accelerator_warning(self, message: str) -> None:
-        from torchrig.logging import get_logger
-
-        get_logger(__name__).warning(message)
+        self.ledger.host.hook.torchrig_checkpoint_committed(run=self.ledger.run, directory=target, manifest=manifest)
 
     # -- waiting on an asynchronous save ------------------------------------------------------
 
