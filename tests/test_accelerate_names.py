@@ -101,6 +101,7 @@ def test_plugin_provided_names_no_installed_plugin_exports_are_refused_naming_wh
         assert target.provided_by in str(caught.value)
 
 
+@pytest.mark.multiprocess
 def test_an_installed_plugin_that_cannot_load_its_export_is_named_with_the_cause():
     """torchrig-deepspeed installed, DeepSpeed itself not importable: the refusal names the plugin, the import
     failure and the install command, not "no installed plugin provides it"."""
@@ -122,6 +123,7 @@ def test_a_name_accelerate_does_not_have_is_a_plain_attribute_error():
     assert "DistributedType" in dir(torchrig) and "gather_object" in dir(torchrig.utils)
 
 
+@pytest.mark.multiprocess
 def test_the_table_and_the_cli_stay_torch_free():
     code = ("import sys; import torchrig, torchrig.utils, torchrig.compat.accelerate_names, torchrig.compat.targets; "
             "torchrig.__dir__(); assert 'torch' not in sys.modules, 'torch imported'")

@@ -48,6 +48,7 @@ def run_script(tmp_path, env, *prefix):
     return subprocess.run([*prefix, str(script)], capture_output=True, text=True, timeout=180, env=env)
 
 
+@pytest.mark.multiprocess
 def test_python_train_py_reads_every_layer_in_order(tmp_path, isolated_env):
     home = tmp_path / "home" / "default_config.yaml"
     home.write_text("mixed_precision: 'no'\ngradient_accumulation_steps: 2\nuse_cpu: true\n")

@@ -7,10 +7,13 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.multiprocess
 def test_gpu_benchmark_code_path_runs_on_the_cpu_and_skips_cleanly_without_a_gpu():
     smoke = subprocess.run([sys.executable, str(BENCH / "bench_gpu.py"), "--cpu-smoke"], capture_output=True,
                            text=True, timeout=300, env=ENV)
@@ -25,6 +28,7 @@ def test_gpu_benchmark_code_path_runs_on_the_cpu_and_skips_cleanly_without_a_gpu
     assert ("skipped" in row) != torch.cuda.is_available(), row
 
 
+@pytest.mark.multiprocess
 def test_sharded_gpu_benchmark_code_path_runs_on_two_cpu_ranks():
     smoke = subprocess.run([sys.executable, str(BENCH / "bench_gpu_sharded.py"), "--cpu-smoke", "--strategies", "fsdp"],
                            capture_output=True, text=True, timeout=600, env=ENV)

@@ -183,6 +183,7 @@ def _owned_by_a_dead_process(directory: Path) -> None:
                                              "start_time": None})
 
 
+@pytest.mark.multiprocess
 def test_leftovers_of_interrupted_saves_are_ignored_then_cleaned(tmp_path):
     accelerator, *_ = make_run(tmp_path, automatic_checkpoint_naming=True)
     first = accelerator.save_state()
@@ -200,6 +201,7 @@ def test_leftovers_of_interrupted_saves_are_ignored_then_cleaned(tmp_path):
     assert elsewhere.exists(), "a writer on another host may be alive: its directory is never removed from here"
 
 
+@pytest.mark.multiprocess
 def test_existing_checkpoint_is_refused_unless_overwrite_which_is_atomic(tmp_path, monkeypatch):
     accelerator, model, optimizer, scheduler, loader, _ = make_run()
     target = tmp_path / "ckpt"
@@ -220,6 +222,7 @@ def test_existing_checkpoint_is_refused_unless_overwrite_which_is_atomic(tmp_pat
         accelerator.save_state(tmp_path / "other", overwrite=True)
 
 
+@pytest.mark.multiprocess
 def test_interrupted_overwrite_without_exchange_recovers_the_old_checkpoint(tmp_path):
     accelerator, *_ = make_run()
     target = tmp_path / "ckpt"
@@ -293,6 +296,7 @@ _DISK_FULL = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_full_disk_is_a_clear_error_that_keeps_the_previous_checkpoint(tmp_path, mode):
     result = subprocess.run([sys.executable, "-c", _DISK_FULL, str(tmp_path), mode], capture_output=True, text=True,
@@ -445,6 +449,7 @@ def fault_pool():
         assert not leftover_processes(sorted(pool.started_pids)), "the fault pool left processes behind"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("phase", PHASES)
 def test_a_rank_killed_at_any_phase_of_a_save_loses_nothing(fault_pool, tmp_path, phase, rank):

@@ -31,6 +31,7 @@ print("TORCH_IMPORTED" if "torch" in sys.modules else "TORCH_NOT_IMPORTED", code
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["plugins"], ["plugins", "--json"], []])
 def test_cli_answers_without_importing_torch(args):
     result = run_cli(code=NO_TORCH_CHECK.format(args=args))
@@ -38,17 +39,20 @@ def test_cli_answers_without_importing_torch(args):
     assert "TORCH_NOT_IMPORTED 0" in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_import_torchrig_does_not_import_torch():
     result = run_cli(code="import sys, torchrig; print(torchrig.__version__, 'torch' in sys.modules)")
     assert result.stdout.split() == [torchrig.__version__, "False"]
 
 
+@pytest.mark.multiprocess
 def test_version():
     result = run_cli("--version")
     assert result.returncode == 0
     assert result.stdout.strip() == f"torchrig {torchrig.__version__}"
 
 
+@pytest.mark.multiprocess
 def test_plugins_json_lists_core_builtins_with_distribution_and_version():
     result = run_cli("plugins", "--json")
     assert result.returncode == 0, result.stderr
@@ -65,6 +69,7 @@ def test_plugins_json_lists_core_builtins_with_distribution_and_version():
     assert by_key[("device", "cuda")]["summary"]
 
 
+@pytest.mark.multiprocess
 def test_plugins_table_and_disabled_status():
     result = run_cli("plugins", env={"TORCHRIG_DISABLE_PLUGINS": "precision:fp16"})
     assert result.returncode == 0, result.stderr
@@ -73,6 +78,7 @@ def test_plugins_table_and_disabled_status():
     assert lines[("strategy", "single")].split()[4] == "selected"
 
 
+@pytest.mark.multiprocess
 def test_plugins_kind_filter_and_bad_kind():
     ok = run_cli("plugins", "--kind", "precision", "--json")
     assert {r["kind"] for r in json.loads(ok.stdout)["plugins"]} == {"precision"}
@@ -82,6 +88,7 @@ def test_plugins_kind_filter_and_bad_kind():
     assert "Traceback" not in bad.stderr
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args", [["bogus"], ["plugins", "--bogus-flag"], ["env", "--nope"]])
 def test_usage_errors_exit_2_without_traceback(args):
     result = run_cli(*args)
@@ -90,6 +97,7 @@ def test_usage_errors_exit_2_without_traceback(args):
     assert "error" in result.stderr
 
 
+@pytest.mark.multiprocess
 def test_env_reports_versions_and_devices():
     result = run_cli("env", "--json", env={"TORCHRIG_DISABLE_PLUGINS": "x"})
     assert result.returncode == 0, result.stderr
@@ -107,6 +115,7 @@ def test_env_reports_versions_and_devices():
     assert text.returncode == 0 and "torch:" in text.stdout
 
 
+@pytest.mark.multiprocess
 def test_console_script_is_installed():
     import shutil
 

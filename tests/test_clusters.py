@@ -287,6 +287,7 @@ def test_cluster_plugins_are_installed_with_their_documented_priorities():
     assert asked[-1] == "core:defaults"
 
 
+@pytest.mark.multiprocess
 def test_cluster_modules_do_not_import_torch():
     code = ("import sys, torchrig.builtins.clusters, torchrig.builtins.manifests; "
             "print('torch' in sys.modules)")

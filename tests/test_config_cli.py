@@ -24,6 +24,7 @@ def home(tmp_path):
     return {"TORCHRIG_CONFIG_HOME": str(tmp_path / "home")}
 
 
+@pytest.mark.multiprocess
 def test_questionnaire_writes_a_valid_default_file(tmp_path, home):
     answers = "single\nyes\nbf16\n4\n"
     result = cli("config", env=home, stdin=answers)
@@ -32,6 +33,7 @@ def test_questionnaire_writes_a_valid_default_file(tmp_path, home):
     assert written == {"strategy": "single", "use_cpu": True, "mixed_precision": "bf16", "gradient_accumulation_steps": 4}
 
 
+@pytest.mark.multiprocess
 def test_questionnaire_reasks_invalid_answers(tmp_path, home):
     answers = "warp-drive\nsingle\nmaybe\nno\nfp64\nfp16\n0\n\n"
     result = cli("config", env=home, stdin=answers)
@@ -41,12 +43,14 @@ def test_questionnaire_reasks_invalid_answers(tmp_path, home):
     assert written["mixed_precision"] == "fp16" and written["gradient_accumulation_steps"] == 1
 
 
+@pytest.mark.multiprocess
 def test_questionnaire_end_of_input_is_an_error_not_a_traceback(home):
     result = cli("config", env=home, stdin="single\n")
     assert result.returncode == 2
     assert "end of input" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.multiprocess
 def test_default_writes_detected_hardware(tmp_path, home):
     result = cli("config", "--default", env=home)
     assert result.returncode == 0, result.stderr
@@ -57,6 +61,7 @@ def test_default_writes_detected_hardware(tmp_path, home):
     assert written["mixed_precision"] == "no"
 
 
+@pytest.mark.multiprocess
 def test_show_explains_every_source(tmp_path, home):
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "default_config.yaml").write_text("gradient_accumulation_steps: 2\nmixed_precision: 'no'\n")
@@ -77,6 +82,7 @@ def test_show_explains_every_source(tmp_path, home):
     assert "num_machines" not in table.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
@@ -95,6 +101,7 @@ def test_validate_fails_with_exit_2_and_no_traceback(tmp_path, home, text, needl
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.multiprocess
 def test_validate_accepts_a_good_file_and_reports_no_effect_keys(tmp_path, home):
     path = tmp_path / "ok.yaml"
     path.write_text("mixed_precision: bf16\ndowncast_bf16: 'no'\n")
@@ -103,6 +110,7 @@ def test_validate_accepts_a_good_file_and_reports_no_effect_keys(tmp_path, home)
     assert "valid" in result.stdout and "downcast_bf16" in result.stdout and "only affects TPUs" in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_bad_flag_value_and_unknown_flag(tmp_path, home):
     bad = cli("config", "show", "--gradient_accumulation_steps", "lots", env=home)
     assert bad.returncode == 2 and "expected an integer" in bad.stderr and "Traceback" not in bad.stderr
@@ -110,6 +118,7 @@ def test_bad_flag_value_and_unknown_flag(tmp_path, home):
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
 
 
+@pytest.mark.multiprocess
 def test_validate_missing_file(tmp_path, home):
     result = cli("config", "validate", str(tmp_path / "missing.yaml"), env=home)
     assert result.returncode == 2 and "missing.yaml" in result.stderr

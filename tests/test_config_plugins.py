@@ -388,6 +388,7 @@ def test_plugin_flags_set_section_keys_and_two_strategy_switches_conflict(host, 
     assert config["deepspeed_config.gradient_clipping"] == 1.0
 
 
+@pytest.mark.multiprocess
 def test_plugins_json_lists_the_first_party_strategies_as_available():
     result = run_cli("plugins", "--json")
     assert result.returncode == 0, result.stderr
@@ -397,6 +398,7 @@ def test_plugins_json_lists_the_first_party_strategies_as_available():
         assert row["status"] == "available" and row["distribution"] == dist and row["summary"], row
 
 
+@pytest.mark.multiprocess
 def test_manifests_options_and_schema_do_not_import_torch_or_deepspeed():
     code = textwrap.dedent("""\
         import sys
@@ -416,6 +418,7 @@ def test_manifests_options_and_schema_do_not_import_torch_or_deepspeed():
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.multiprocess
 def test_config_validate_seed_fsdp_on_cpu(tmp_path):
     path = write(tmp_path, "seed_fsdp.yaml", SEED_FSDP)
     result = run_cli("config", "validate", path, "--num_processes", "2", "--use_cpu")

@@ -667,6 +667,7 @@ def test_two_ranks_dispatch_of_nothing_and_of_a_failing_dataset(gloo_pool):
     assert error1.startswith("RuntimeError: the data-loading process (rank 0) failed") and "disk on fire" in error1
 
 
+@pytest.mark.multiprocess
 def test_worker_processes_give_the_same_batches_and_leave_the_global_rng_alone():
     data = TensorDataset(torch.arange(17))
     inline = shard_dataloader(DataLoader(data, batch_size=4, shuffle=True), 2, 1, seed=6)

@@ -115,6 +115,7 @@ def test_sharding_splits_map_style_and_iterable_data_without_overlap():
     assert got == [[[0, 1], [4]], [[2, 3]]]
 
 
+@pytest.mark.multiprocess
 def test_worker_environment_default_divides_cores():
     host = make_host()
     env = dict(os.environ)

@@ -19,6 +19,7 @@ def run_example(name: str, *args: str, tmp_path: pathlib.Path) -> subprocess.Com
                           timeout=300, env=env, cwd=tmp_path)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(360)
 def test_train_mlp_demo_learns(tmp_path):
     result = run_example("train_mlp.py", "--epochs", "2", "--gradient_accumulation_steps", "2", tmp_path=tmp_path)
@@ -30,6 +31,7 @@ def test_train_mlp_demo_learns(tmp_path):
     assert "strategy single" in result.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(360)
 def test_seed_002_bert_script_runs_with_only_the_import_changed(tmp_path):
     source = (EXAMPLES / "nlp_example.py").read_text()

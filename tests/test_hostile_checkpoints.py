@@ -431,6 +431,7 @@ except CheckpointError as exc:
 """
 
 
+@pytest.mark.multiprocess
 def test_a_manifest_path_to_a_device_is_refused_before_it_is_read(tmp_path):
     result = subprocess.run([sys.executable, "-c", _HASH_DEV_ZERO, str(tmp_path / "c")], capture_output=True,
                             text=True, timeout=60, env=_env(tmp_path))  # before the fix: hashes /dev/zero forever

@@ -61,6 +61,7 @@ def test_dev_install_pins_cpu_torch_and_installs_plugins_from_local_paths():
         assert f"-e ./{directory}" in lines
 
 
+@pytest.mark.multiprocess
 def test_import_boundaries_hold():
     lint = shutil.which("lint-imports")
     if lint is None:
@@ -79,6 +80,7 @@ def test_core_source_never_names_a_plugin_package():
     assert not offenders, offenders
 
 
+@pytest.mark.multiprocess
 def test_every_manifest_module_is_torch_free():
     code = (
         "import sys\n"

@@ -22,7 +22,9 @@ import pytest
 from torchrig.testing.pool import PoolTimeout, WorkerContext, WorkerDied, WorkerError, WorkerPool
 from torchrig.testing.processes import ProcessGuard, leftover_processes, spawn_in_new_session
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool needs Linux")
+# Every test here runs on a pool of worker processes.
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool needs Linux")]
 
 T = 60.0  # per-run hard limit for tasks that should finish at once
 

@@ -180,6 +180,7 @@ def test_step_plan_rejects_unknown_slots_and_non_callables():
         builder.set("backward", None)
 
 
+@pytest.mark.multiprocess
 def test_a_run_still_alive_at_interpreter_exit_is_unconfigured_once(tmp_path):
     """``torchrig_unconfigure``: at ``end_training``, else at exit — never twice, never skipped."""
     marker = tmp_path / "unconfigured"

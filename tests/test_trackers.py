@@ -254,6 +254,7 @@ def test_log_before_init_is_ignored_and_a_new_run_may_start_after_end_training(t
     assert [e["values"]["loss"] for e in events if e["event"] == "log"] == [1.0, 3.0]
 
 
+@pytest.mark.multiprocess
 def test_the_core_finishes_trackers_at_exit_when_end_training_is_not_called(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
     env.update(TORCHRIG_CONFIG_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
@@ -348,6 +349,7 @@ def test_a_missing_library_fails_with_the_pip_extra_to_install(tmp_path, monkeyp
     assert {"csv", "jsonl"} <= {info.name for info in accelerator._host.selected("tracker")}
 
 
+@pytest.mark.multiprocess
 def test_torchrig_plugins_lists_the_trackers():
     result = subprocess.run([sys.executable, "-m", "torchrig", "plugins", "--json", "--kind", "tracker"],
                             capture_output=True, text=True, timeout=120, check=False)
@@ -477,6 +479,7 @@ def read_wandb_run(run_dir: str) -> tuple[dict, list[tuple[int, dict]]]:
     return config, history
 
 
+@pytest.mark.multiprocess
 def test_wandb_offline_run_is_one_run_with_config_and_history(tmp_path):
     accelerator = accelerator_for(tmp_path, "wandb")
     accelerator.init_trackers("demo", config={"lr": 0.05}, init_kwargs={"wandb": {"name": "first"}})
@@ -660,6 +663,7 @@ class TestMLflowContract(TrackerContract):
         return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
 
 
+@pytest.mark.multiprocess  # wandb starts its service process
 class TestWandBContract(TrackerContract):
     """Offline: the run is read back from W&B's own run file."""
 

@@ -8,7 +8,10 @@ Fixtures:
 * ``process_guard`` — a :class:`~torchrig.testing.processes.ProcessGuard`; the test fails if a
   process it tracked is still alive at teardown.
 
-Tests marked ``gpu`` are skipped cleanly when no CUDA device is present.
+Tests marked ``gpu`` are skipped cleanly when no CUDA device is present. A test that uses
+``gloo_pool`` or ``process_guard`` is marked ``multiprocess`` by the fixture it asks for, so the
+fast tier (``-m "not multiprocess and not slow and not packaging"``) never starts processes
+whether or not its author remembered the marker.
 """
 
 from __future__ import annotations
@@ -27,7 +30,15 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running; deselect with -m 'not slow'")
 
 
+#: Fixtures that start processes: a test using one belongs to the multiprocess tier.
+MULTIPROCESS_FIXTURES = frozenset({"gloo_pool", "process_guard"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if MULTIPROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())) \
+                and not item.get_closest_marker("multiprocess"):
+            item.add_marker(pytest.mark.multiprocess)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

@@ -1,0 +1,59 @@
+"""Repository-wide test policy: the fast tier never starts a process.
+
+``-m "not multiprocess and not slow and not packaging"`` is the tier a developer runs after every
+edit (README, "Run one test / one tier"); it stays fast only if every test that starts a process
+says so. A test without the ``multiprocess`` marker (given by hand, or by asking for the
+``gloo_pool``/``process_guard`` fixtures) that starts one — ``subprocess``, ``os.fork``,
+``multiprocessing`` — fails, naming what it started and how to mark it. Set
+``TESTS_REPORT_SPAWNS=path`` to list such tests in a file instead of failing them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+_EXEMPT_MARKERS = ("multiprocess", "packaging", "slow")
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if any(request.node.get_closest_marker(name) for name in _EXEMPT_MARKERS):
+        yield
+        return
+    started: list[str] = []
+    execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    fork = os.fork
+    start = multiprocessing.process.BaseProcess.start
+
+    def recording_execute_child(self: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
+        started.append(f"subprocess {args if isinstance(args, str) else ' '.join(map(str, args))[:120]}")
+        return execute_child(self, args, *rest, **kwargs)
+
+    def recording_fork() -> int:
+        started.append("os.fork()")
+        return fork()
+
+    def recording_start(self: Any) -> None:
+        started.append(f"multiprocessing {type(self).__name__}")
+        start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", recording_execute_child)
+    monkeypatch.setattr(os, "fork", recording_fork)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+    yield
+    if not started:
+        return
+    report = os.environ.get("TESTS_REPORT_SPAWNS")
+    if report:
+        with open(report, "a") as handle:
+            handle.write(f"{request.node.nodeid}\t{started[0]!r}\n")
+        return
+    pytest.fail(f"{request.node.nodeid} started a process ({started[0]}) but is not marked multiprocess: add "
+                "@pytest.mark.multiprocess (or `pytestmark = pytest.mark.multiprocess` for the module) so the fast "
+                "tier stays fast", pytrace=False)
