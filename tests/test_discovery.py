@@ -14,6 +14,7 @@ from torchrig.errors import (
     PluginImportError,
     PluginNotFoundError,
 )
+from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.plugin_manager import PluginStatus
 from torchrig.testing import FakeDistribution, make_host, plugin_distribution
@@ -21,7 +22,7 @@ from torchrig.types import Capabilities, CliFlag
 
 
 class GoodManifest(PluginManifest):
-    api_version = 1
+    api_version = HOOK_API_VERSION
     summary = "a test strategy"
 
 
@@ -30,13 +31,13 @@ class FutureManifest(PluginManifest):
 
 
 class NeedsMissingModule(PluginManifest):
-    api_version = 1
+    api_version = HOOK_API_VERSION
     requires = ("torchrig_no_such_dependency_xyz",)
     install_hint = "torchrig[imaginary]"
 
 
 class FlagManifest(PluginManifest):
-    api_version = 1
+    api_version = HOOK_API_VERSION
     cli_flags = (CliFlag("--zz_level", "zz.level", type="int"),)
 
 
@@ -50,7 +51,7 @@ class Strategy:
 
     @hookimpl
     def torchrig_strategy_capabilities(self, run):
-        return Capabilities(owns_backward=True)
+        return Capabilities(owns_accumulation=True)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from torchrig import hookimpl
+from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.runtime import build_step_plan, start_run
 from torchrig.testing import HookRecorder, make_host, plugin_distribution
@@ -18,7 +19,7 @@ from torchrig.types import Capabilities
 
 
 class OwnsEverythingManifest(PluginManifest):
-    api_version = 1
+    api_version = HOOK_API_VERSION
 
 
 class OwnsEverything:
@@ -29,8 +30,7 @@ class OwnsEverything:
 
     @hookimpl
     def torchrig_strategy_capabilities(self, run):
-        return Capabilities(owns_backward=True, owns_optimizer_step=True, owns_precision=True,
-                            owns_accumulation=True, checkpoint_format="engine")
+        return Capabilities(owns_precision=True, owns_accumulation=True)
 
     @hookimpl
     def torchrig_strategy_step_plan(self, run, plan):
@@ -147,7 +147,7 @@ def test_strategy_that_owns_precision_skips_the_precision_hook(engine_like):
     loss = torch.nn.Linear(2, 1)(torch.randn(2, 2)).sum()
     plan.backward(loss)
     assert runtime.backward_calls == 1
-    assert run.capabilities.checkpoint_format == "engine"
+    assert run.capabilities.owns_accumulation and run.capabilities.owns_precision
 
 
 def test_single_strategy_refuses_a_multi_process_job():

@@ -60,10 +60,13 @@ if TYPE_CHECKING:  # pragma: no cover
     )
 
 #: Version of this hook contract. Plugins declare the version they were written for.
-HOOK_API_VERSION = 1
+#: 2: ``Capabilities`` lost ``owns_backward``, ``owns_optimizer_step``, ``owns_clipping`` and
+#: ``checkpoint_format`` — no core code read them; filling a step-plan slot or implementing a
+#: checkpoint hook is the declaration.
+HOOK_API_VERSION = 2
 
 #: Hook-API versions this torchrig can load.
-SUPPORTED_HOOK_API_VERSIONS = frozenset({1})
+SUPPORTED_HOOK_API_VERSIONS = frozenset({2})
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,13 +214,20 @@ def torchrig_collectives(run: RunContext) -> Collectives | None:
 
 @hookspec(firstresult=True)
 def torchrig_strategy_capabilities(run: RunContext) -> Capabilities | None:
-    """Declare what the strategy owns (backward, step, accumulation, clipping, precision,
-    checkpoint format, data-parallel layout).
+    """Declare what the core must know beyond the step plan: whether the strategy owns
+    accumulation and precision, whether parameters are replicated, the data-parallel layout.
+
+    Phases the strategy performs (backward, optimizer step, zero_grad, clipping, no_sync) are
+    declared by filling their slots in ``torchrig_strategy_step_plan``, and its checkpoint format
+    by implementing ``torchrig_save_strategy_state``/``torchrig_load_strategy_state`` — never
+    twice. DDP: replicated parameters; FSDP2: owns precision (its MixedPrecisionPolicy),
+    sharded; DeepSpeed: owns accumulation and precision; an N-D mesh: the data-parallel size and
+    rank of its DP sub-mesh (loaders shard by them, not by the world).
 
     - phase: preparation, once before the first model is prepared.
     - ranks: every worker. kind: firstresult (the selected strategy answers).
     - return: :class:`~torchrig.types.Capabilities`.
-    - default: owns nothing; state-dict checkpoints; every rank is a data-parallel rank.
+    - default: owns nothing; every rank is a data-parallel rank.
     """
 
 

@@ -13,7 +13,7 @@ configuration hooks (``torchrig_validate_config``) with ``@hookimpl``.
 Example::
 
     class DeepSpeedManifest(PluginManifest):
-        api_version = 1
+        api_version = HOOK_API_VERSION
         summary = "DeepSpeed ZeRO stages 0-3"
         install_hint = "torchrig[deepspeed]"
         requires = ("deepspeed",)

@@ -48,30 +48,21 @@ class ClusterInfo:
 
 @attrs.frozen
 class Capabilities:
-    """What a strategy owns. Declared once at prepare; the core builds the step plan from it.
+    """What the core must know about a strategy beyond its step-plan slots. Declared once at
+    prepare.
 
-    The core never asks *which* strategy is running; it asks what the running strategy owns.
-    For example DeepSpeed owns backward, optimizer step, accumulation, clipping and precision;
-    FSDP2 owns precision (its ``MixedPrecisionPolicy`` replaces autocast) and the checkpoint
-    format; DDP owns nothing but gradient synchronisation and uses the precision plugin as is.
+    Which phases a strategy performs is declared by filling the step plan's slots
+    (``torchrig_strategy_step_plan``: implementing a slot is owning it — backward, optimizer
+    step, clipping…), and how it checkpoints by implementing the checkpoint hooks. Only what
+    the core itself reads is here; the core never asks *which* strategy is running.
     """
 
-    #: The strategy performs ``backward`` (e.g. ``engine.backward(loss)``).
-    owns_backward: bool = False
-    #: The strategy performs the optimizer step and zero_grad.
-    owns_optimizer_step: bool = False
-    #: The strategy counts micro-steps itself and steps only at accumulation boundaries.
+    #: The strategy counts micro-steps itself and steps only at accumulation boundaries (the
+    #: core's ``accumulate()`` then neither skips optimizer steps nor enters ``no_sync``).
     owns_accumulation: bool = False
-    #: The strategy clips gradients itself (``clip_grad_norm_`` is routed to it).
-    owns_clipping: bool = False
     #: The strategy applies mixed precision itself; the precision plugin's step-plan hook is
     #: not called, and the strategy reads ``mixed_precision`` from the config.
     owns_precision: bool = False
-    #: Format of strategy-owned checkpoint state: ``"state_dict"`` (plain, written by rank 0),
-    #: ``"sharded"`` (every rank writes its shard, e.g. DCP) or ``"engine"`` (the engine's own).
-    checkpoint_format: str = attrs.field(
-        default="state_dict", validator=attrs.validators.in_(("state_dict", "sharded", "engine"))
-    )
     #: Every rank holds every parameter in full (a replica, not a shard), so parameters can be
     #: averaged across ranks in place (``LocalSGD``). False for sharding engines (FSDP, DeepSpeed ZeRO).
     replicated_parameters: bool = False

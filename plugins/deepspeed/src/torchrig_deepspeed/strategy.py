@@ -142,8 +142,7 @@ class DeepSpeedStrategy:
 
     @hookimpl
     def torchrig_strategy_capabilities(self, run: RunContext) -> Capabilities:
-        return Capabilities(owns_backward=True, owns_optimizer_step=True, owns_accumulation=True, owns_clipping=True,
-                            owns_precision=True, checkpoint_format="engine",
+        return Capabilities(owns_accumulation=True, owns_precision=True,
                             data_parallel_size=run.cluster.world_size, data_parallel_rank=run.cluster.rank)
 
     # -- preparation -----------------------------------------------------------------------------

@@ -127,8 +127,7 @@ class FSDPStrategy:
     @hookimpl
     def torchrig_strategy_capabilities(self, run: RunContext) -> Capabilities:
         sharded = run.cluster.world_size > 1
-        return Capabilities(owns_precision=sharded, checkpoint_format="sharded",
-                            data_parallel_size=run.cluster.world_size, data_parallel_rank=run.cluster.rank)
+        return Capabilities(owns_precision=sharded, data_parallel_size=run.cluster.world_size, data_parallel_rank=run.cluster.rank)
 
     # -- preparation -------------------------------------------------------------------------
 
