@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
+import platform
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,10 @@ from typing import Any
 import pytest
 
 _EXEMPT_MARKERS = ("multiprocess", "packaging", "slow")
+
+# The standard library runs `uname -p` once per process, on first use, and caches the answer
+# (libraries such as MLflow ask): asked here, before any test, it is nobody's process.
+platform.processor()
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ _LAZY: dict[str, str] = {
     "StepPlanBuilder": "torchrig.step_plan",
     "DeviceBackend": "torchrig.device",
     "Collectives": "torchrig.collectives",
-    "Tracker": "torchrig.tracking",
+    "Tracker": "torchrig.tracker",
     # data types exchanged through hooks
     "Capabilities": "torchrig.types",
     "CliFlag": "torchrig.types",
@@ -119,7 +119,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchrig.plugin_manager import PluginHost, PluginStatus
     from torchrig.run import RunContext
     from torchrig.step_plan import StepPlan, StepPlanBuilder
-    from torchrig.tracking import Tracker
+    from torchrig.tracker import Tracker
     from torchrig.types import (
         Capabilities,
         CliFlag,

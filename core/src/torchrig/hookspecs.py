@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchrig.device import DeviceBackend
     from torchrig.run import RunContext
     from torchrig.step_plan import StepPlanBuilder
-    from torchrig.tracking import Tracker
+    from torchrig.tracker import Tracker
     from torchrig.types import (
         Capabilities,
         CliFlag,

@@ -18,10 +18,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torchrig.tracking import Tracker
+from torchrig.tracker import Tracker
 
 logger = logging.getLogger("torchrig.tracking")  # one logger for the whole tracking policy
 

@@ -350,7 +350,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrig import RunContext, Tracker, hookimpl
-from torchrig.tracking import as_scalar, flatten
+from torchrig.tracker import as_scalar, flatten
 
 
 class ${cls}Tracker(Tracker):

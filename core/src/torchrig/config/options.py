@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from torchrig.config.schema import at_least, between, option
-from torchrig.tracking import Tracker  # Accelerator(log_with=[MyTracker()]) passes instances
+from torchrig.tracker import Tracker  # Accelerator(log_with=[MyTracker()]) passes instances
 from torchrig.types import ConfigSection
 
 

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
-from torchrig.tracking import Tracker, as_scalar, flatten, jsonable
+from torchrig.tracker import Tracker, as_scalar, flatten, jsonable
 
 
 def run_directory(logging_dir: str | None, project_name: str) -> str:

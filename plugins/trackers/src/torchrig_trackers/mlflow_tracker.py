@@ -18,7 +18,7 @@ from typing import Any
 
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
-from torchrig.tracking import Tracker, as_scalar, flatten, jsonable
+from torchrig.tracker import Tracker, as_scalar, flatten, jsonable
 
 #: MLflow's limits (mlflow.utils.validation): params per batch, metrics per batch, key length.
 PARAMS_PER_BATCH, METRICS_PER_BATCH, MAX_KEY_LENGTH, MAX_PARAM_LENGTH = 100, 1000, 250, 6000

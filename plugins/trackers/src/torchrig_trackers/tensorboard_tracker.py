@@ -15,7 +15,7 @@ from typing import Any
 
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
-from torchrig.tracking import Tracker, as_scalar, flatten, jsonable
+from torchrig.tracker import Tracker, as_scalar, flatten, jsonable
 
 
 class TensorBoardTracker(Tracker):

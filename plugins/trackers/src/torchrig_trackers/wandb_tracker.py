@@ -18,7 +18,7 @@ from typing import Any
 
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
-from torchrig.tracking import Tracker, as_scalar
+from torchrig.tracker import Tracker, as_scalar
 
 
 class WandBTracker(Tracker):
