@@ -118,13 +118,13 @@ class CoreDefaults:
     def torchrig_save_strategy_state(
         self, run: RunContext, prepared: Sequence[PreparedModel], writer: CheckpointWriter
     ) -> list[str]:
-        from torchrig.state_dicts import save_plain_state
+        from torchrig.checkpoint.state_dicts import save_plain_state
 
         return save_plain_state(run, prepared, writer)
 
     @hookimpl(trylast=True)
     def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> bool:
-        from torchrig.state_dicts import load_plain_state
+        from torchrig.checkpoint.state_dicts import load_plain_state
 
         load_plain_state(run, prepared, directory)
         return True

@@ -7,6 +7,9 @@
   from dead writers;
 * :mod:`~torchrig.checkpoint.trust` — loading without unpickling code, saving only what loads;
 * :mod:`~torchrig.checkpoint.state` — RNG and the run fingerprint;
+* :mod:`~torchrig.checkpoint.state_dicts` — plain state dicts and registered objects on disk
+  (safetensors + a JSON skeleton, no pickle);
+* :mod:`~torchrig.checkpoint.ledger` — what a run checkpoints (appended to by the Accelerator);
 * :mod:`~torchrig.checkpoint.manager` — ``save_state`` (sync and async);
 * :mod:`~torchrig.checkpoint.loading` — ``load_state``;
 * :mod:`~torchrig.checkpoint.pending` — asynchronous saves still running when the script ends;

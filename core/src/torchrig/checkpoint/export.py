@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrig.checkpoint.files import CheckpointError, describe_os_error, fsync_path
-from torchrig.state_dicts import ALIASES_KEY, split_aliases
+from torchrig.checkpoint.state_dicts import ALIASES_KEY, split_aliases
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}

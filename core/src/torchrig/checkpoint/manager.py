@@ -54,7 +54,7 @@ from torchrig.collectives import Collectives
 from torchrig.config.resolve import Schema
 from torchrig.launch import status
 from torchrig.logging import get_logger
-from torchrig.state_dicts import save_structured
+from torchrig.checkpoint.state_dicts import save_structured
 
 logger = get_logger(__name__)
 
