@@ -135,7 +135,7 @@ class CoreDefaults:
 
     @hookimpl(trylast=True)
     def torchrig_launch(self, plan: LaunchPlan) -> int:
-        from torchrig.elastic import launch_with_elastic
+        from torchrig.launch.elastic import launch_with_elastic
 
         return launch_with_elastic(plan)
 

@@ -5,7 +5,7 @@ Modules: :mod:`~torchrig.launch.cli` (flags, validation, the plan), :mod:`~torch
 :mod:`~torchrig.launch.status` (atomic status files),
 :mod:`~torchrig.launch.summary` (the culprit and ``run_status.json``),
 :mod:`~torchrig.launch.preflight` (ports and addresses), :mod:`~torchrig.launch.dryrun`.
-The default ``torchrig_launch`` implementation is :mod:`torchrig.elastic`.
+The default ``torchrig_launch`` implementation is :mod:`torchrig.launch.elastic`.
 
 Importing this package is cheap and torch-free: the wrapper imports it in every worker.
 """

@@ -9,7 +9,7 @@ Order of work, and why: parse the flags; resolve and validate the whole configur
 environment, flags) — a problem is exit 2 with every problem listed and **nothing started**;
 work out processes per machine and the rendezvous; pre-flight the ports; only then create the
 log directory and call the ``torchrig_launch`` hook (default: torch elastic, see
-:mod:`torchrig.elastic`). ``--help`` imports no torch.
+:mod:`torchrig.launch.elastic`). ``--help`` imports no torch.
 
 Exit codes: 0 success; 1 a worker (or the launch itself) failed; 2 a usage, configuration or
 pre-flight problem (nothing was started); 128 + N when the launcher got signal N (130 for
@@ -346,7 +346,7 @@ def work_out_layout(config: ResolvedConfig) -> Layout:
         raise ConfigError(f"num_processes {total} ({source}) is not a multiple of num_machines {machines}: "
                           f"each machine runs num_processes / num_machines workers")
     # One machine and no rendezvous asked for: nothing to wait for, so no rendezvous round at all
-    # ("local": torchrig.elastic.SingleNodeRendezvous); otherwise c10d unless configured.
+    # ("local": torchrig.launch.elastic.SingleNodeRendezvous); otherwise c10d unless configured.
     local = machines == 1 and not config.get("rdzv_backend") and not config.get("rdzv_endpoint")
     backend = "local" if local else (config.get("rdzv_backend") or "c10d")
     ip = config.get("main_process_ip")

@@ -16,7 +16,7 @@ exception; the launcher sees a killed process exit through ``waitid``), so:
   them, that rank **left early** (returned while the others still waited for it in a
   collective) and is named: its exit, not the errors of the ranks left waiting, is the cause.
 
-Pure functions over plain dicts (the records of :mod:`torchrig.elastic`), torch-free.
+Pure functions over plain dicts (the records of :mod:`torchrig.launch.elastic`), torch-free.
 """
 
 from __future__ import annotations
