@@ -7,11 +7,14 @@ notebooks) never corrupt each other: each has its own plugin manager and its own
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
+from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.types import Capabilities, ClusterInfo, Stash
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.collectives import Collectives
@@ -39,6 +42,26 @@ class RunContext:
     def option(self, key: str, default: Any = None) -> Any:
         """A configuration value by dotted key, or ``default``."""
         return self.config.get(key, default)
+
+    def section(self, options: type[T]) -> T:
+        """A configuration section as its typed options object, found by class
+        (``run.section(FullyShardedDataParallelPlugin)``) — how plugins read their options, so
+        each default lives once, on the class.
+
+        A run whose configuration is a plain mapping (test and contract kits build such runs) gets
+        one made from the section's dotted keys; the plugin host tells under which key the class
+        is declared.
+        """
+        if isinstance(self.config, ResolvedConfig):
+            return self.config.section_of(options)
+        if self.plugins is None:
+            raise KeyError(f"{options.__qualname__}: this run has neither a resolved configuration nor a plugin host "
+                           "to tell which section the class is declared under")
+        keys = [key for key, section in Schema(self.plugins).sections.items() if section.options is options]
+        if not keys:
+            raise KeyError(f"no installed plugin declares a configuration section of type {options.__qualname__}")
+        prefix = keys[0] + "."
+        return options(**{key[len(prefix):]: value for key, value in self.config.items() if key.startswith(prefix)})
 
 
 __all__ = ["RunContext"]

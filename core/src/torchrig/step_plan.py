@@ -15,6 +15,9 @@ from typing import Any
 
 import attrs
 
+from torchrig.config.options import GradScalerKwargs
+from torchrig.run import RunContext
+
 #: Slot name -> what the callable must do. The signatures are part of the contract.
 SLOTS: dict[str, str] = {
     "autocast": "() -> context manager around forward (and the loss computation)",
@@ -128,14 +131,10 @@ class StepPlanBuilder:
             raise KeyError(f"unknown step plan slot {slot!r}; slots are: {', '.join(SLOTS)}")
 
 
-#: ``GradScalerKwargs`` fields and their defaults (``grad_scaler_kwargs.*`` in the configuration).
-GRAD_SCALER_OPTIONS = (("init_scale", 65536.0), ("growth_factor", 2.0), ("backoff_factor", 0.5),
-                       ("growth_interval", 2000), ("enabled", True))
-
-
-def grad_scaler_kwargs(run: Any) -> dict[str, Any]:
-    """The configured ``GradScalerKwargs``, as keyword arguments of a (sharded) GradScaler."""
-    return {name: run.option(f"grad_scaler_kwargs.{name}", default) for name, default in GRAD_SCALER_OPTIONS}
+def grad_scaler_kwargs(run: RunContext) -> dict[str, Any]:
+    """The configured ``GradScalerKwargs``, as keyword arguments of a (sharded) GradScaler (the
+    defaults are the class's)."""
+    return attrs.asdict(run.section(GradScalerKwargs))
 
 
 def install_loss_scaling(plan: StepPlanBuilder, scaler: Any) -> None:
@@ -164,5 +163,5 @@ def install_loss_scaling(plan: StepPlanBuilder, scaler: Any) -> None:
     plan.set("optimizer_step", optimizer_step)
 
 
-__all__ = ["GRAD_SCALER_OPTIONS", "SLOTS", "StepPlan", "StepPlanBuilder", "default_slots", "grad_scaler_kwargs",
+__all__ = ["SLOTS", "StepPlan", "StepPlanBuilder", "default_slots", "grad_scaler_kwargs",
            "install_loss_scaling"]

@@ -26,7 +26,7 @@ import os
 import pathlib
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -45,6 +45,8 @@ from torchrig.config.schema import (
 from torchrig.errors import ConfigError
 from torchrig.plugin_manager import PluginHost, PluginStatus
 from torchrig.types import ConfigProblem, ConfigSection
+
+T = TypeVar("T")
 
 #: Environment variables with a meaning of their own, not configuration keys.
 CONFIG_FILE_ENV = "TORCHRIG_CONFIG_FILE"
@@ -374,6 +376,15 @@ class ResolvedConfig(Mapping[str, Any]):
 
     def section(self, key: str) -> Any:
         return self.sections[key]
+
+    def section_of(self, options: type[T]) -> T:
+        """The section whose options object is an ``options`` (its attrs class): the typed way to
+        read a section, with each default declared once, on the class."""
+        found = [value for value in self.sections.values() if type(value) is options]
+        if len(found) != 1:
+            raise KeyError(f"{'no' if not found else 'more than one'} configuration section of type "
+                           f"{options.__qualname__} in this run; sections: {', '.join(sorted(self.sections))}")
+        return found[0]
 
     def is_set(self, key: str) -> bool:
         """Whether any source other than the defaults set ``key``."""

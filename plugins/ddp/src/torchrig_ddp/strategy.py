@@ -18,7 +18,7 @@ from torchrig.run import RunContext
 from torchrig.step_plan import StepPlanBuilder
 from torchrig.types import Capabilities, PreparedModel
 
-from torchrig_ddp.manifest import SECTION
+from torchrig_ddp.options import DistributedDataParallelKwargs
 
 
 class DDPStrategy:
@@ -40,11 +40,9 @@ class DDPStrategy:
             return prepared  # one process: nothing to synchronise, no wrapper cost
         if not any(p.requires_grad for p in model.parameters()):
             return prepared  # a frozen model (teacher, EMA): DDP refuses it and it needs no gradient sync
-        def get(field: str, default: Any = None) -> Any:
-            return run.option(f"{SECTION}.{field}", default)
-
+        options = run.section(DistributedDataParallelKwargs)
         extra: dict[str, Any] = {}
-        if not get("broadcast_buffers", True):
+        if not options.broadcast_buffers:
             # torch 2.13 deprecates the argument, but only `broadcast_buffers=False` also skips the
             # buffer sync at construction, which is what this option has always meant; True is
             # DDP's default and is not passed (no deprecation warning).
@@ -53,14 +51,14 @@ class DDPStrategy:
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             output_device=device.index if device.type == "cuda" else None,
-            dim=get("dim", 0),
-            bucket_cap_mb=get("bucket_cap_mb", 25),
-            find_unused_parameters=get("find_unused_parameters", False),
-            gradient_as_bucket_view=get("gradient_as_bucket_view", False),
-            static_graph=get("static_graph", False),
+            dim=options.dim,
+            bucket_cap_mb=options.bucket_cap_mb,
+            find_unused_parameters=options.find_unused_parameters,
+            gradient_as_bucket_view=options.gradient_as_bucket_view,
+            static_graph=options.static_graph,
             **extra,
         )
-        _register_comm_hook(ddp, get("comm_hook", "no"), get("comm_wrapper", "no"), get("comm_state_option") or {})
+        _register_comm_hook(ddp, str(options.comm_hook), str(options.comm_wrapper), options.comm_state_option or {})
         prepared.model = ddp
         return prepared
 

@@ -80,12 +80,7 @@ LOADERS = StashKey[list[Any]]("deepspeed.dataloaders")
 
 def deepspeed_options(run: RunContext) -> DeepSpeedPlugin:
     """The resolved ``deepspeed_config`` section."""
-    section = getattr(run.config, "section", None)
-    if section is not None:
-        return section(SECTION)
-    fields = {a.name: run.option(f"{SECTION}.{a.name}") for a in DeepSpeedPlugin.__attrs_attrs__
-              if f"{SECTION}.{a.name}" in run.config}
-    return DeepSpeedPlugin(**fields)
+    return run.section(DeepSpeedPlugin)
 
 
 def engines_of(run: RunContext) -> list[EngineRecord]:

@@ -54,12 +54,7 @@ class FSDPConfigError(ValueError):
 
 def fsdp_options(run: RunContext) -> FullyShardedDataParallelPlugin:
     """The resolved ``fsdp_config`` section (with Python-only values such as ``ignored_modules``)."""
-    section = getattr(run.config, "section", None)
-    if section is not None:
-        return section(SECTION)
-    fields = {a.name: run.option(f"{SECTION}.{a.name}") for a in FullyShardedDataParallelPlugin.__attrs_attrs__
-              if f"{SECTION}.{a.name}" in run.config}
-    return FullyShardedDataParallelPlugin(**fields)
+    return run.section(FullyShardedDataParallelPlugin)
 
 
 def _written_by_operator(run: RunContext, key: str) -> str | None:
