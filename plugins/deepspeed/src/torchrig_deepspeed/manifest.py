@@ -12,8 +12,10 @@ from typing import Any
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
+from torchrig.memory import MemoryEstimate, MemoryRequest
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
 
+from torchrig_deepspeed.memory import deepspeed_estimate
 from torchrig_deepspeed.options import OFFLOAD_DEVICES, DeepSpeedPlugin
 
 SECTION = "deepspeed_config"
@@ -57,6 +59,11 @@ class DeepSpeedManifest(PluginManifest):
         CliFlag("--deepspeed_moe_layer_cls_names", f"{SECTION}.deepspeed_moe_layer_cls_names",
                 "MoE layer class names (comma-separated)", type="list"),
     )
+
+    @hookimpl
+    def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
+        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_deepspeed.memory`."""
+        return deepspeed_estimate(request)
 
     @hookimpl
     def torchrig_validate_config(self, config: Mapping[str, Any]) -> list[ConfigProblem]:
