@@ -76,6 +76,8 @@ class ModelFootprint:
     unit_name: str = ""
     activation_bytes: int | None = None
     activation_note: str = ""
+    #: ``config.hidden_size`` of a transformers model (DeepSpeed sizes its buckets from it), else None.
+    hidden_size: int | None = None
 
     @property
     def trainable(self) -> tuple[ParameterInfo, ...]:

@@ -15,12 +15,13 @@ on a real CPU batch (:class:`SavedTensorCounter`), so estimate and measurement c
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 import torch
@@ -71,6 +72,40 @@ class SavedTensorCounter:
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
         self._keep.clear()
+
+
+_NATIVE_SDPA = torch.nn.functional.scaled_dot_product_attention
+_SDPA_NAMES = ("attn_mask", "dropout_p", "is_causal", "scale")
+
+
+def _fused_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    options = {**dict(zip(_SDPA_NAMES, args)), **kwargs}
+    if query.device.type != "meta" or options.get("enable_gqa"):
+        return _NATIVE_SDPA(query, key, value, *args, **kwargs)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, options.get("dropout_p", 0.0), options.get("is_causal", False),
+        attn_mask=options.get("attn_mask"), scale=options.get("scale"))[0]
+
+
+@contextlib.contextmanager
+def fused_attention_on_meta() -> Iterator[None]:
+    """``torch.nn.functional.scaled_dot_product_attention`` on meta tensors as the fused kernel real
+    devices run, while active.
+
+    On the meta device torch picks the math fallback, which saves the ``(batch, heads, seq, seq)``
+    attention matrix for backward; CPU (flash for CPU) and GPU (flash, memory-efficient) kernels
+    save only query, key, value, output and the log-sum-exp. Counting the fallback would
+    over-estimate attention activations by a quadratic term real runs never hold. The function is
+    looked up at call time by ``nn.MultiheadAttention`` and transformers, so replacing the module
+    attribute reaches them (a torch-function mode would not: it is off inside
+    ``multi_head_attention_forward``).
+    """
+    functional = torch.nn.functional
+    functional.scaled_dot_product_attention = _fused_sdpa
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = _NATIVE_SDPA
 
 
 # -- building the model --------------------------------------------------------------------
@@ -235,7 +270,7 @@ def saved_activation_bytes(model: torch.nn.Module, batch_size: int, seq_len: int
     args, kwargs = made
     counter = SavedTensorCounter(model.parameters())
     try:
-        with torch.enable_grad(), counter:
+        with torch.enable_grad(), fused_attention_on_meta(), counter:
             training_loss(model(*args, **kwargs))
     except Exception as exc:  # noqa: BLE001 — a forward that needs real data (``.item()``, data-dependent shapes)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -251,8 +286,9 @@ def footprint(model: torch.nn.Module, name: str, *, batch_size: int, seq_len: in
     act_bytes, note = (saved_activation_bytes(model, batch_size, seq_len) if activations
                        else (None, "not asked for (--no_activations)"))
     return ModelFootprint(name=name, parameters=parameter_infos(model), buffer_bytes=buffers, unit_parameters=unit,
-                          unit_name=unit_name, activation_bytes=act_bytes, activation_note=note)
+                          unit_name=unit_name, activation_bytes=act_bytes, activation_note=note,
+                          hidden_size=getattr(getattr(model, "config", None), "hidden_size", None))
 
 
-__all__ = ["ModelSpecError", "SavedTensorCounter", "build_on_meta", "example_inputs", "footprint", "largest_unit",
+__all__ = ["fused_attention_on_meta", "ModelSpecError", "SavedTensorCounter", "build_on_meta", "example_inputs", "footprint", "largest_unit",
            "parameter_infos", "resolve_model", "saved_activation_bytes", "training_loss"]
