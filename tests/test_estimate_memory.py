@@ -230,7 +230,7 @@ def test_transformers_config_file_estimates_activations(tmp_path, capsys):
 def test_bad_input_exits_2_naming_what_is_wrong(capsys, monkeypatch, argv, named):
     monkeypatch.chdir(HERE)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, out, err = _cli(capsys, *argv)
+    code, _, err = _cli(capsys, *argv)
     assert code == 2
     assert named in err and "Traceback" not in err
 

@@ -290,5 +290,16 @@ def footprint(model: torch.nn.Module, name: str, *, batch_size: int, seq_len: in
                           hidden_size=getattr(getattr(model, "config", None), "hidden_size", None))
 
 
-__all__ = ["fused_attention_on_meta", "ModelSpecError", "SavedTensorCounter", "build_on_meta", "example_inputs", "footprint", "largest_unit",
-           "parameter_infos", "resolve_model", "saved_activation_bytes", "training_loss"]
+__all__ = [
+    "ModelSpecError",
+    "SavedTensorCounter",
+    "build_on_meta",
+    "example_inputs",
+    "footprint",
+    "fused_attention_on_meta",
+    "largest_unit",
+    "parameter_infos",
+    "resolve_model",
+    "saved_activation_bytes",
+    "training_loss",
+]
