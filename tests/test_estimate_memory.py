@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -238,3 +240,11 @@ def test_bad_input_exits_2_naming_what_is_wrong(capsys, monkeypatch, argv, named
 def test_a_directory_without_config_json_is_named(tmp_path, capsys):
     code, _, err = _cli(capsys, str(tmp_path))
     assert code == 2 and f"MODEL {str(tmp_path)!r} is a directory without a config.json" in err
+
+
+def test_help_imports_no_torch():
+    code = ("import sys\nfrom torchrig.cli.main import main\ntry:\n    main(['estimate-memory', '--help'])\n"
+            "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'estimate-memory --help imported torch'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "--batch_size" in result.stdout and "--compare" in result.stdout and "--zero_stage" in result.stdout

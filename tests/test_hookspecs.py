@@ -6,7 +6,6 @@ import inspect
 import pathlib
 
 import pytest
-
 from torchrig import hookspecs
 from torchrig.defaults import CoreDefaults
 from torchrig.markers import PROJECT_NAME

@@ -183,6 +183,9 @@ def activation_component(request: MemoryRequest, note: str = "") -> tuple[list[M
     if model.activation_bytes is None:
         return [], [f"activations not estimated: {model.activation_note}"]
     notes = [model.activation_note] if model.activation_note else []
+    if request.precision != "no":
+        notes.append(f"activations counted in fp32: an upper bound under {request.precision}, whose matmuls save "
+                     "half-precision inputs")
     return [MemoryComponent("activations", model.activation_bytes, note=note)], notes
 
 
