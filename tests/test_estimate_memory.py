@@ -74,10 +74,11 @@ def inputs(name: str, batch: int = 4, seq: int = 16) -> torch.Tensor:
     return torch.randint(0, 128, (batch, seq), generator=generator)
 
 
-def estimate(name: str, strategy: str, world: int, config: dict | None = None, batch: int = 4, seq: int = 16):
+def estimate(name: str, strategy: str, world: int, config: dict | None = None, batch: int = 4, seq: int = 16,
+             precision: str = "no"):
     model = build_on_meta(FACTORIES[name], name)
     request = MemoryRequest(model=footprint(model, name, batch_size=batch, seq_len=seq), world_size=world,
-                            strategy=strategy, config=config or {})
+                            strategy=strategy, config=config or {}, precision=precision)
     return estimate_memory(PluginHost(), request)
 
 
@@ -115,6 +116,28 @@ def test_single_process_estimate_matches_measured_state_and_activations(name):
           f"{measured_activations} estimated {predicted.component('activations')}")
     assert held_state(predicted) == pytest.approx(measured_state, rel=STATE_TOLERANCE)
     assert predicted.component("activations") == pytest.approx(measured_activations, rel=ACTIVATION_TOLERANCE)
+
+
+def test_strategy_options_change_the_estimate():
+    parameters = sum(p.numel() for p in mlp().parameters())
+    ddp = estimate("mlp", "ddp", 2)
+    assert ddp.component("gradient buckets") == ddp.component("gradients") == 4 * parameters
+    assert estimate("mlp", "ddp", 2, {"ddp_config.gradient_as_bucket_view": True}).component("gradient buckets") == 0
+    unit = estimate("mlp", "fsdp", 2).component("all-gathered parameters")
+    gathered = estimate("mlp", "fsdp", 2, {"fsdp_config.reshard_after_forward": False}).component("all-gathered parameters")
+    assert unit == gathered == 4 * parameters  # the MLP repeats no block: its one unit is the whole model
+    assert estimate("transformer", "fsdp", 2).component("all-gathered parameters") < 4 * sum(
+        p.numel() for p in tiny_transformer().parameters())
+    offload = estimate("mlp", "deepspeed", 2, {"deepspeed_config.zero_stage": 2,
+                                              "deepspeed_config.offload_optimizer_device": "cpu"})
+    assert offload.total("cpu") == offload.component("optimizer state") + offload.component("master weights (fp32)") > 0
+    bucket = estimate("mlp", "deepspeed", 2, {"deepspeed_config.zero_stage": 3,
+                                             "deepspeed_config.hf_ds_config": {"zero_optimization": {
+                                                 "reduce_bucket_size": 1000, "stage3_param_persistence_threshold": 0}}})
+    assert bucket.component("reduce bucket") == 4000
+    assert bucket.component("parameters") == 4 * -(-parameters // 2)
+    bf16 = estimate("mlp", "deepspeed", 1, {"deepspeed_config.zero_stage": 0}, precision="bf16")
+    assert bf16.component("parameters") == 2 * parameters and bf16.component("master weights (fp32)") == 4 * parameters
 
 
 # -- two gloo ranks ------------------------------------------------------------------------------

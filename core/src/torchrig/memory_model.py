@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import os
 import re
@@ -227,8 +228,9 @@ def example_inputs(model: torch.nn.Module, batch_size: int, seq_len: int) -> tup
     """Arguments for one forward on the model's device, or why none can be made.
 
     A model's own ``example_inputs(batch_size, seq_len)`` wins (returns args, or ``(args, kwargs)``);
-    a transformers model gets ``input_ids`` and ``labels``; otherwise the first layer decides:
-    ``Linear`` takes ``(batch, in_features)`` floats, ``Embedding`` ``(batch, seq_len)`` token ids.
+    a transformers model gets ``input_ids`` (and ``labels`` when its forward takes them); otherwise
+    the first layer decides: ``Linear`` takes ``(batch, in_features)`` floats, ``Embedding``
+    ``(batch, seq_len)`` token ids.
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     own = getattr(model, "example_inputs", None)
@@ -240,7 +242,8 @@ def example_inputs(model: torch.nn.Module, batch_size: int, seq_len: int) -> tup
         return (made if isinstance(made, tuple) else (made,)), {}
     if hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
-        return (), {"input_ids": ids, "labels": ids}
+        takes_labels = "labels" in inspect.signature(model.forward).parameters
+        return (), ({"input_ids": ids, "labels": ids} if takes_labels else {"input_ids": ids})
     first = next((m for m in model.modules() if not list(m.children())), None)
     if isinstance(first, torch.nn.Linear):
         return (torch.zeros(batch_size, first.in_features, device=device),), {}
