@@ -17,7 +17,6 @@ from torchrig.markers import hookimpl
 from torchrig.memory import MemoryEstimate, MemoryRequest
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
 
-from torchrig_ddp.memory import ddp_estimate
 from torchrig_ddp.options import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS, DistributedDataParallelKwargs
 
 SECTION = "ddp_config"
@@ -56,7 +55,10 @@ class DDPManifest(PluginManifest):
 
     @hookimpl
     def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
-        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_ddp.memory`."""
+        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_ddp.memory`
+        (imported here: a run that never estimates loads only the manifest and its options)."""
+        from torchrig_ddp.memory import ddp_estimate
+
         return ddp_estimate(request)
 
     @hookimpl

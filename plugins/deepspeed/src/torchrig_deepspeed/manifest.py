@@ -15,7 +15,6 @@ from torchrig.markers import hookimpl
 from torchrig.memory import MemoryEstimate, MemoryRequest
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
 
-from torchrig_deepspeed.memory import deepspeed_estimate
 from torchrig_deepspeed.options import OFFLOAD_DEVICES, DeepSpeedPlugin
 
 SECTION = "deepspeed_config"
@@ -62,7 +61,10 @@ class DeepSpeedManifest(PluginManifest):
 
     @hookimpl
     def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
-        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_deepspeed.memory`."""
+        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_deepspeed.memory`
+        (imported here: a run that never estimates loads only the manifest and its options)."""
+        from torchrig_deepspeed.memory import deepspeed_estimate
+
         return deepspeed_estimate(request)
 
     @hookimpl

@@ -29,7 +29,6 @@ from torchrig.markers import hookimpl
 from torchrig.memory import MemoryEstimate, MemoryRequest
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
 
-from torchrig_fsdp.memory import fsdp_estimate
 from torchrig_fsdp.options import (
     AUTO_WRAP_POLICIES,
     BACKWARD_PREFETCH,
@@ -87,7 +86,10 @@ class FSDPManifest(PluginManifest):
 
     @hookimpl
     def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
-        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_fsdp.memory`."""
+        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_fsdp.memory`
+        (imported here: a run that never estimates loads only the manifest and its options)."""
+        from torchrig_fsdp.memory import fsdp_estimate
+
         return fsdp_estimate(request)
 
     @hookimpl
