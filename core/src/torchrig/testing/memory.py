@@ -10,6 +10,7 @@ Activations are measured with :class:`torchrig.memory_model.SavedTensorCounter` 
 from __future__ import annotations
 
 import gc
+import warnings
 
 import torch
 
@@ -18,8 +19,11 @@ def live_storages() -> dict[int, int]:
     """``{address: bytes}`` of the storage of every live, materialised tensor (meta excluded)."""
     gc.collect()
     found: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
+    with warnings.catch_warnings():  # isinstance() on deprecated objects (torch.distributed.reduce_op) warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if obj.device.type == "meta":
             continue
         try:
             storage = obj.untyped_storage()
