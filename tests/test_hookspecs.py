@@ -6,7 +6,6 @@ import inspect
 import pathlib
 
 import pytest
-
 from torchrig import hookspecs
 from torchrig.defaults import CoreDefaults
 from torchrig.markers import PROJECT_NAME
@@ -36,7 +35,7 @@ def test_the_catalogue_covers_every_phase():
         "torchrig_load_strategy_state", "torchrig_full_state_dict", "torchrig_checkpoint_state",
             "torchrig_checkpoint_committed",
         "torchrig_create_trackers", "torchrig_worker_environment", "torchrig_launch",
-        "torchrig_configure", "torchrig_unconfigure",
+        "torchrig_configure", "torchrig_unconfigure", "torchrig_estimate_memory",
     }
     assert set(SPEC_NAMES) == expected
 

@@ -47,6 +47,18 @@ def run(tmp_path: Path, guard, *args: str, **kwargs) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+def private_tmp(tmp_path: Path) -> Path:
+    """A temporary directory (``TMPDIR``) of the launch's own, to check that it leaves nothing there."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir(exist_ok=True)
+    return tmp
+
+
+def assert_nothing_left_in(tmp: Path) -> None:
+    """No ``torchelastic_*`` run directory, error pickle or anything else in the launch's temp dir."""
+    assert sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")) == []  # torch's cache
+
+
 def outdir(tmp_path: Path) -> Path:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
@@ -281,11 +293,12 @@ def test_launcher_signal_without_failures_is_an_interruption():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_two_cpu_workers_agree_on_rank_and_world_and_run_status_says_finished(tmp_path, process_guard):
-    out, log_dir = outdir(tmp_path), tmp_path / "logs"
+    out, log_dir, tmp = outdir(tmp_path), tmp_path / "logs", private_tmp(tmp_path)
     code, stdout, err = run(tmp_path, process_guard, "--num_processes", "2", "--log_dir", str(log_dir),
-                            str(SCRIPTS / "gather.py"), str(out), "--lr", "0.1")
+                            str(SCRIPTS / "gather.py"), str(out), "--lr", "0.1", env=_env(tmp_path, TMPDIR=str(tmp)))
     track_workers(out, process_guard)
     assert code == 0, err
+    assert_nothing_left_in(tmp)
     for rank in (0, 1):
         assert (out / f"rank{rank}.txt").read_text() == f"{rank} 2 [0, 1] {rank} ['--lr', '0.1']"
         assert f"[rank{rank}]: hello from rank {rank}" in stdout  # elastic's prefix on tee'd output
@@ -320,12 +333,13 @@ def test_python_m_torchrig_launch_runs_a_module(tmp_path, process_guard):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_raising_rank_is_named_with_its_traceback_and_nothing_is_left_running(tmp_path, process_guard):
-    out, log_dir = outdir(tmp_path), tmp_path / "logs"
+    out, log_dir, tmp = outdir(tmp_path), tmp_path / "logs", private_tmp(tmp_path)
     proc = start(tmp_path, process_guard, "--num_processes", "2", "--log_dir", str(log_dir),
-                 str(SCRIPTS / "raise_or_sleep.py"), str(out))
+                 str(SCRIPTS / "raise_or_sleep.py"), str(out), env=_env(tmp_path, TMPDIR=str(tmp)))
     wait_ready(out, 2, proc, process_guard)
     _, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 1, err
+    assert_nothing_left_in(tmp)  # a failed launch too: elastic's run dirs, error pickles
     summary = err[err.index("torchrig launch: FAILED"):]
     assert summary.startswith("torchrig launch: FAILED: rank 1 failed first (exit code 1: ValueError: boom: bad batch")
     assert 'in train_step\n        raise ValueError("boom: bad batch on rank 1")' in summary  # the traceback tail

@@ -30,7 +30,9 @@ def _free_port() -> str:
 
 def _launch(tmp_path: Path, guard, mode: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
-    env.update(TORCHRIG_CONFIG_HOME=str(tmp_path / "config-home"), OMP_NUM_THREADS="1")
+    tmp = tmp_path / "tmpdir"  # the launch's own temporary directory: it must leave nothing there
+    tmp.mkdir()
+    env.update(TORCHRIG_CONFIG_HOME=str(tmp_path / "config-home"), OMP_NUM_THREADS="1", TMPDIR=str(tmp))
     proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), mode, _free_port()], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     guard.track(proc)
@@ -39,6 +41,12 @@ def _launch(tmp_path: Path, guard, mode: str) -> subprocess.CompletedProcess:
     finally:
         for pid_file in tmp_path.glob("pid-*"):
             guard.track(int(pid_file.read_text()))
+    # torch elastic's torchelastic_* run directory and torch.multiprocessing's pytorch-errorfile-*.pickle
+    # (left by a failing rank) are gone, whether the launch succeeded or failed.
+    # torch's per-user compile cache (torchinductor_<user>, made by the training function's own torch) is a
+    # cache kept across runs, like pytest's, not something this launch should remove.
+    left = sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], "the launch left files in its temporary directory"
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -87,11 +87,13 @@ def test_a_failing_check_names_the_rank_and_the_check_and_keeps_the_logs(tmp_pat
     (("--num_procesess", "2"), "unrecognized flag --num_procesess"),
     (("--num_processes", "two"), "--num_processes"),
 ])
-def test_usage_errors_exit_2_naming_the_problem_without_a_traceback(flags, message):
+def test_usage_errors_exit_2_naming_the_problem_without_a_traceback(tmp_path, flags, message):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-m", "torchrig", "test", *flags], capture_output=True, text=True,
-                         timeout=TIMEOUT, check=False)
+                         timeout=TIMEOUT, check=False, env=env)
     assert run.returncode == 2, run.stdout + run.stderr
     assert message in run.stderr and "Traceback" not in run.stderr
+    assert not list(tmp_path.iterdir())  # no empty torchrig-test-logs-* directory left behind
 
 
 def test_help_lists_the_launch_flags_and_imports_no_torch():

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torchrig.markers import hookimpl
+from torchrig.memory import MemoryEstimate, MemoryRequest, replicated_estimate
 from torchrig.types import Capabilities, ClusterInfo, LaunchPlan, PreparedModel
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -132,6 +133,10 @@ class CoreDefaults:
     @hookimpl(trylast=True)
     def torchrig_full_state_dict(self, run: RunContext, prepared: PreparedModel) -> dict[str, Any]:
         return prepared.unwrapped.state_dict()
+
+    @hookimpl(trylast=True)
+    def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
+        return replicated_estimate(request, request.strategy, f"{request.strategy} (replicated: everything whole)")
 
     @hookimpl(trylast=True)
     def torchrig_launch(self, plan: LaunchPlan) -> int:

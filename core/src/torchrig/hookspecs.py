@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchrig.checkpoint.files import CheckpointWriter
     from torchrig.collectives import Collectives
     from torchrig.device import DeviceBackend
+    from torchrig.memory import MemoryEstimate, MemoryRequest
     from torchrig.run import RunContext
     from torchrig.step_plan import StepPlanBuilder
     from torchrig.tracker import Tracker
@@ -432,6 +433,48 @@ def torchrig_create_trackers(
       failing or blocking tracker never stops or slows training; a ``TypeError``/``ValueError``
       raised here (bad ``init_kwargs``) fails ``init_trackers`` naming the plugin.
     - default: none.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Planning — ``torchrig estimate-memory`` (no process group, no device, nothing allocated).
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def torchrig_estimate_memory(request: MemoryRequest) -> MemoryEstimate | None:
+    """Say what one rank holds when this strategy trains ``request.model``.
+
+    - phase: planning, in ``torchrig estimate-memory`` (and anyone sizing a job); never in a
+      training run.
+    - ranks: the command's one process; no process group exists.
+    - kind: firstresult, asked of the *manifest* of the selected strategy, then of the core
+      default — the core calls only those two, whatever other strategies are installed. Torch-free
+      arithmetic on :mod:`torchrig.memory` objects: implement it on the manifest, so estimating
+      never imports the strategy's library (DeepSpeed).
+    - arguments: ``request`` — a :class:`~torchrig.memory.MemoryRequest`: the model's
+      :class:`~torchrig.memory.ModelFootprint` (every parameter's element count, first dimension,
+      dtype and trainability; the largest repeated block; activation bytes saved for backward at
+      the requested batch, or why they are unknown), the data-parallel ``world_size``, the
+      precision plugin's name, the optimizer's state bytes per element and per tensor, and the
+      resolved ``config`` (the strategy reads its own section: ZeRO stage, offload devices,
+      ``reshard_after_forward``, a future mesh's ``dp_shard``/``tp`` sizes).
+    - return: a :class:`~torchrig.memory.MemoryEstimate` — per-rank
+      :class:`~torchrig.memory.MemoryComponent` lines, each on ``"device"`` or ``"cpu"``, that the
+      core *sums*; lines for everything held at the peak of a step, at once: parameters,
+      gradients, optimizer state, master weights when the strategy keeps a separate fp32 copy,
+      activations, and transient buffers (all-gathered units, communication buckets). Notes say
+      what was not modelled.
+    - checked against: DDP (everything whole, plus gradient buckets unless gradients are bucket
+      views); FSDP2 (parameters, gradients and optimizer state sharded on dim 0 with padding, plus
+      one all-gathered unit and its unsharded gradient in the compute dtype, or every parameter
+      gathered when ``reshard_after_forward`` is off); DeepSpeed ZeRO 0–3 (stage 1 shards the
+      optimizer state and the fp32 master copy, 2 also gradients, 3 also parameters; offload moves
+      optimizer state and master weights, or parameters, to ``"cpu"``); an N-D mesh divides each
+      line by the mesh axes that shard it (``tp`` parameters and activations, ``dp_shard`` what
+      FSDP shards) — the request carries the configuration, the estimate the per-rank result.
+    - default: everything whole on every rank (one process; replicated data parallelism), with
+      fp32 parameters as their own master weights.
     """
 
 

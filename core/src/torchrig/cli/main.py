@@ -1,4 +1,5 @@
-"""``torchrig`` console script: subcommands ``plugins``, ``env``, ``config``, ``launch``, ``test`` and ``new-plugin``,
+"""``torchrig`` console script: subcommands ``plugins``, ``env``, ``config``, ``launch``, ``test``,
+``estimate-memory`` and ``new-plugin``,
 plus the
 commands installed distributions contribute through the ``torchrig.commands`` entry-point group
 (:mod:`torchrig.cli.commands`; e.g. ``merge-weights`` from torchrig-fsdp).
@@ -18,7 +19,7 @@ from torchrig.errors import TorchrigError
 
 EXIT_USAGE = 2
 #: Names a contributed command (``torchrig.commands`` entry point) cannot take.
-BUILTIN_COMMANDS = ("plugins", "config", "launch", "test", "env", "new-plugin")
+BUILTIN_COMMANDS = ("plugins", "config", "launch", "test", "estimate-memory", "env", "new-plugin")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     # `test` takes the launch flags.
     sub.add_parser("test", help="a short sanity training with the current configuration: plugins, collectives, "
                                 "training, a checkpoint round trip; `torchrig test --help`")
+    # `estimate-memory` takes the launch configuration flags too.
+    sub.add_parser("estimate-memory", help="per-rank training memory of MODEL under the configured strategy, "
+                                           "components summed; `torchrig estimate-memory --help`")
 
     env = sub.add_parser("env", help="versions, devices and settings to paste into a bug report")
     env.add_argument("--json", action="store_true", help="machine-readable output")
@@ -91,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _guarded("launch", lambda: _run_launch(argv[1:]))
     if argv[:1] == ["test"]:
         return _guarded("test", lambda: _run_test(argv[1:]))
+    if argv[:1] == ["estimate-memory"]:
+        return _guarded("estimate-memory", lambda: _run_estimate(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
@@ -115,6 +121,12 @@ def _run_test(argv: list[str]) -> int:
     from torchrig.cli.sanity import run_test
 
     return run_test(argv)
+
+
+def _run_estimate(argv: list[str]) -> int:
+    from torchrig.cli.estimate import run_estimate
+
+    return run_estimate(argv)
 
 
 def _guarded(command: str, run: Callable[[], int]) -> int:

@@ -9,6 +9,7 @@ script launched with those flags would get. Torch-free until the launcher starts
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -49,10 +50,13 @@ def run_test(argv: Sequence[str]) -> int:
         return run_launch([*flags, "-m", SELFTEST_MODULE])
     # Logs of a passing sanity run are noise: kept (and named) only when a check failed.
     log_dir = tempfile.mkdtemp(prefix="torchrig-test-logs-")
-    code = run_launch([*flags, "--log_dir", log_dir, "-m", SELFTEST_MODULE])
-    if code == 0:
-        shutil.rmtree(log_dir, ignore_errors=True)
-    else:
+    code = 1
+    try:
+        code = run_launch([*flags, "--log_dir", log_dir, "-m", SELFTEST_MODULE])
+    finally:  # a usage or configuration error raised before anything ran leaves the directory empty
+        if code == 0 or not os.listdir(log_dir):
+            shutil.rmtree(log_dir, ignore_errors=True)
+    if code != 0:
         print(f"{PROG}: a check failed; the per-rank logs are kept in {log_dir}", file=sys.stderr)
     return code
 

@@ -6,12 +6,21 @@ Accelerate does so that functions defined in a notebook cell need no pickling; e
 ``Accelerator`` created inside the function joins the group through the torchelastic cluster
 environment. When one rank fails the agent stops the others (no orphans) and the error names the
 rank, its exit code and its traceback.
+
+Nothing is left in the temporary directory: torch elastic's own log directory (``torchelastic_*``) and
+the traceback files ``torch.multiprocessing`` creates for each child (``pytorch-errorfile-*.pickle``,
+never removed by torch) go to a private directory removed when the launch ends, failed or not; the
+children get the temporary directory back, so what the function writes there is its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import shutil
 import sys
-from collections.abc import Callable, Mapping
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torchrig.enums import PrecisionType
@@ -61,6 +70,25 @@ def _failure_report(error: Any) -> tuple[str, dict[int, str]]:
     return "\n".join(lines), failures
 
 
+@contextlib.contextmanager
+def _private_tempdir() -> Iterator[str]:
+    """While active, this process's temporary files go to a fresh directory, removed afterwards."""
+    private = tempfile.mkdtemp(prefix="torchrig-notebook-")
+    saved = tempfile.tempdir
+    tempfile.tempdir = private
+    try:
+        yield private
+    finally:
+        tempfile.tempdir = saved
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _child_entry(tempdir: str | None, function: Callable[..., Any], *args: Any) -> Any:
+    """A launched child's entry: the user's temporary directory back, then the function."""
+    tempfile.tempdir = tempdir
+    return function(*args)
+
+
 def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_processes: int | None = None,
                       mixed_precision: str = "no", use_port: str = "29500", master_addr: str = "127.0.0.1",
                       node_rank: int = 0, num_nodes: int = 1, rdzv_backend: str = "static", rdzv_endpoint: str = "",
@@ -89,6 +117,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_proces
             function(*args)
         return
     _refuse_when_initialised()
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -98,16 +127,19 @@ def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_proces
     if rdzv_backend == "static":
         rdzv_conf["rank"] = node_rank
         rdzv_endpoint = rdzv_endpoint or f"{master_addr}:{use_port}"
-    config = LaunchConfig(min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=int(num_processes),
-                          run_id=rdzv_id, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
-                          rdzv_configs=rdzv_conf, max_restarts=max_restarts, monitor_interval=monitor_interval,
-                          start_method=start_method, log_line_prefix_template=log_line_prefix_template)
     environ = {"FORK_LAUNCHED": "1" if start_method == "fork" else "0", "MASTER_ADDR": master_addr,
                "MASTER_PORT": str(use_port), **precision_env}
     print(f"Launching training on {num_processes} {device_type.upper()}s.")
-    with patch_environment(**environ):
+    user_tempdir = tempfile.tempdir
+    with patch_environment(**environ), _private_tempdir() as private:
+        config = LaunchConfig(min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=int(num_processes),
+                              run_id=rdzv_id, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
+                              rdzv_configs=rdzv_conf, max_restarts=max_restarts, monitor_interval=monitor_interval,
+                              start_method=start_method, log_line_prefix_template=log_line_prefix_template,
+                              logs_specs=DefaultLogsSpecs(log_dir=private))
+        entry = functools.update_wrapper(functools.partial(_child_entry, user_tempdir, function), function)
         try:
-            elastic_launch(config=config, entrypoint=function)(*args)
+            elastic_launch(config=config, entrypoint=entry)(*args)
         except ChildFailedError as error:
             report, failures = _failure_report(error)
             raise NotebookLaunchError(f"notebook_launcher: {len(failures)} of {num_processes * num_nodes} "

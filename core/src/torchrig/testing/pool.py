@@ -47,7 +47,8 @@ No orphans
     ``killpg``; it asks the kernel (``PR_SET_PDEATHSIG``) to SIGKILL it if the test process
     dies. :meth:`WorkerPool.close` (also run by a ``weakref.finalize`` and at interpreter exit)
     asks the workers to leave, then SIGKILLs the process group of each, so processes a task
-    forgot are swept too. Rendezvous uses a ``FileStore`` in a fresh temporary directory, never
+    forgot are swept too. Workers' ``tempfile.tempdir`` is a directory inside the pool's own, removed
+    with it, so a rank killed mid-task leaves no temporary files behind. Rendezvous uses a ``FileStore`` in a fresh temporary directory, never
     a TCP port, so pools never collide.
 
 Caveats
@@ -272,6 +273,10 @@ def _worker_main(spec: _WorkerSpec, conn: multiprocessing.connection.Connection)
     if os.getppid() != spec.parent_pid:  # the parent died before prctl took effect
         os._exit(1)
     os.environ.update(spec.env)
+    # What tasks create through ``tempfile`` lives in the pool's directory, removed when the pool
+    # closes: also what a task leaves when it kills its own rank before its cleanup runs.
+    tempfile.tempdir = os.path.join(os.path.dirname(spec.scratch_dir), "tmp")
+    os.makedirs(tempfile.tempdir, exist_ok=True)
     sys.path[:] = spec.sys_path
     _chdir(spec.cwd)
     for stream in (sys.stdout, sys.stderr):

@@ -14,6 +14,7 @@ from torchrig.config.schema import suggest
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
+from torchrig.memory import MemoryEstimate, MemoryRequest
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
 
 from torchrig_ddp.options import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS, DistributedDataParallelKwargs
@@ -51,6 +52,14 @@ class DDPManifest(PluginManifest):
         CliFlag("--ddp_comm_wrapper", f"{SECTION}.comm_wrapper", "compression wrapper around a PowerSGD hook",
                 choices=COMM_WRAPPERS),
     )
+
+    @hookimpl
+    def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
+        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_ddp.memory`
+        (imported here: a run that never estimates loads only the manifest and its options)."""
+        from torchrig_ddp.memory import ddp_estimate
+
+        return ddp_estimate(request)
 
     @hookimpl
     def torchrig_validate_config(self, config: Mapping[str, Any]) -> list[ConfigProblem]:

@@ -12,6 +12,7 @@ from typing import Any
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
+from torchrig.memory import MemoryEstimate, MemoryRequest
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
 
 from torchrig_deepspeed.options import OFFLOAD_DEVICES, DeepSpeedPlugin
@@ -57,6 +58,14 @@ class DeepSpeedManifest(PluginManifest):
         CliFlag("--deepspeed_moe_layer_cls_names", f"{SECTION}.deepspeed_moe_layer_cls_names",
                 "MoE layer class names (comma-separated)", type="list"),
     )
+
+    @hookimpl
+    def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
+        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_deepspeed.memory`
+        (imported here: a run that never estimates loads only the manifest and its options)."""
+        from torchrig_deepspeed.memory import deepspeed_estimate
+
+        return deepspeed_estimate(request)
 
     @hookimpl
     def torchrig_validate_config(self, config: Mapping[str, Any]) -> list[ConfigProblem]:

@@ -26,6 +26,7 @@ from typing import Any
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
+from torchrig.memory import MemoryEstimate, MemoryRequest
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
 
 from torchrig_fsdp.options import (
@@ -82,6 +83,14 @@ class FSDPManifest(PluginManifest):
                 "free gathered parameters after forward", type="bool"),
         CliFlag("--fsdp_version", f"{SECTION}.fsdp_version", "2 (FSDP2)", type="int"),
     )
+
+    @hookimpl
+    def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
+        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_fsdp.memory`
+        (imported here: a run that never estimates loads only the manifest and its options)."""
+        from torchrig_fsdp.memory import fsdp_estimate
+
+        return fsdp_estimate(request)
 
     @hookimpl
     def torchrig_validate_config(self, config: Mapping[str, Any]) -> list[ConfigProblem]:

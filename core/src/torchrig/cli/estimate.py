@@ -1,0 +1,163 @@
+"""``torchrig estimate-memory MODEL``: per-rank training memory under the configured strategy.
+
+The configuration is resolved as ``torchrig launch`` resolves it (config file, ``TORCHRIG_*``
+variables, the same flags), so ``torchrig estimate-memory gpt2 --num_processes 8 --use_deepspeed
+--zero_stage 3 --mixed_precision bf16`` sizes exactly what that launch would run. The model is
+built on the meta device (:mod:`torchrig.memory_model`); the selected strategy's manifest answers
+:func:`~torchrig.hookspecs.torchrig_estimate_memory`, the core's default when it does not. The
+components are summed per rank. ``--help`` imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from torchrig.config.flags import add_config_flags, collect_flags, flag_values
+from torchrig.config.resolve import CONFIG_FILE_ENV, ResolvedConfig, Schema, resolve_config
+from torchrig.errors import TorchrigError
+from torchrig.launch.cli import work_out_layout
+from torchrig.memory import OPTIMIZERS, MemoryEstimate, MemoryRequest, ModelFootprint, format_bytes, format_estimate
+from torchrig.plugin_manager import DEFAULTS_NAME, PluginHost
+
+PROG = "torchrig estimate-memory"
+DESCRIPTION = """\
+Estimate the memory each rank holds while training MODEL under the configured strategy, precision
+and number of processes: parameters, gradients, optimizer state, master weights, activations of one
+micro-batch, and the strategy's transient buffers, SUMMED (the peak of a step holds them at once).
+Nothing is allocated: the model is built on the meta device.
+
+MODEL is a Python factory `module:function` returning a torch.nn.Module, a local config.json (or a
+directory holding one), or a transformers model name whose config is in the local cache (offline).
+The configuration is resolved as `torchrig launch` resolves it; its flags are accepted (below).
+Exit 0; 2 on a usage, configuration or MODEL problem."""
+
+
+class UsageError(TorchrigError):
+    """Bad command line: one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `{PROG} --help`)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def build_parser(host: PluginHost) -> tuple[argparse.ArgumentParser, dict[str, Any]]:
+    parser = _Parser(prog=PROG, allow_abbrev=False, description=DESCRIPTION,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", metavar="MODEL", help="module:function, a config.json (or its directory), "
+                                                       "or a cached transformers model name")
+    own = parser.add_argument_group("estimate")
+    own.add_argument("--batch_size", type=_positive_int, default=1, help="micro-batch per rank (default 1)")
+    own.add_argument("--seq_len", type=_positive_int, default=512, help="sequence length (default 512)")
+    own.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                     help="optimizer whose state is counted (default adamw: 8 bytes per element)")
+    own.add_argument("--compare", metavar="STRATEGY[,STRATEGY...]",
+                     help="estimate under each of these strategies too (default: the configured one only)")
+    own.add_argument("--no_activations", action="store_true", help="skip the forward that counts activations")
+    own.add_argument("--json", action="store_true", help="machine-readable output")
+    own.add_argument("--config_file", help=f"the run's config file (default: ${CONFIG_FILE_ENV}, then the "
+                                           "machine's default file)")
+    by_dest = add_config_flags(parser, collect_flags(Schema(host)), "configuration (as for torchrig launch)")
+    return parser, by_dest
+
+
+def run_estimate(argv: Sequence[str], *, stdout: Any = None) -> int:
+    stdout = stdout or sys.stdout
+    host = PluginHost()
+    parser, by_dest = build_parser(host)
+    args = parser.parse_args(list(argv))
+    flags = flag_values(args, by_dest)
+    configs = _configurations(host, args, flags)
+    optimizer = OPTIMIZERS[args.optimizer]
+    model = _footprint(args)
+    estimates = [estimate_memory(host, MemoryRequest(
+        model=model, world_size=world, strategy=config["strategy"], precision=config["mixed_precision"],
+        optimizer_bytes_per_element=optimizer[0], optimizer_bytes_per_tensor=optimizer[1], config=config))
+        for config, world in configs]
+    if args.json:
+        json.dump({"model": _describe_model(model), "optimizer": args.optimizer,
+                   "estimates": [e.as_dict() for e in estimates]}, stdout, indent=2)
+        stdout.write("\n")
+        return 0
+    stdout.write(_model_line(model, args.optimizer) + "\n\n")
+    for item in estimates:
+        stdout.write(format_estimate(item) + "\n\n")
+    if len(estimates) > 1:
+        stdout.write("totals per rank\n")
+        for item in estimates:
+            cpu = f" (+ {format_bytes(item.total('cpu'))} CPU)" if item.total("cpu") else ""
+            stdout.write(f"  {item.label:<40} {format_bytes(item.total('device')):>12}{cpu}\n")
+    return 0
+
+
+def estimate_memory(host: PluginHost, request: MemoryRequest) -> MemoryEstimate:
+    """Ask the manifest of ``request.strategy``, then the core default (never another strategy)."""
+    wanted = {f"strategy:{request.strategy}#manifest", DEFAULTS_NAME}
+    for owner, call in host.iter_impls("torchrig_estimate_memory", request=request):
+        if owner in wanted:
+            answer = call()
+            if answer is not None:
+                return answer
+    raise TorchrigError(f"no estimate for strategy {request.strategy!r}")  # the core default always answers
+
+
+def _configurations(host: PluginHost, args: argparse.Namespace, flags: dict[str, Any]) -> list[tuple[ResolvedConfig, int]]:
+    """The resolved configuration (and world size) of each strategy to estimate."""
+    strategies: list[str | None] = [None]
+    if args.compare:
+        strategies += [name.strip() for name in args.compare.split(",") if name.strip()]
+    out = []
+    for strategy in strategies:
+        given = dict(flags)
+        if strategy is not None:
+            given["strategy"] = (strategy, "--compare")
+        config = resolve_config(host, config_file=args.config_file, flags=given, default_file=True, warn=False)
+        layout = work_out_layout(config)
+        if layout.strategy_world and layout.world_size > 1:  # the default strategy depends on the process count
+            config = resolve_config(host, config_file=args.config_file, flags=given, default_file=True, warn=False,
+                                    world_size=layout.world_size)
+        if all(config["strategy"] != done["strategy"] for done, _ in out):
+            out.append((config, layout.world_size))
+    return out
+
+
+def _footprint(args: argparse.Namespace) -> ModelFootprint:
+    from torchrig.memory_model import build_on_meta, footprint, resolve_model  # torch: not for --help
+
+    name, build = resolve_model(args.model)
+    model = build_on_meta(build, args.model)
+    return footprint(model, name, batch_size=args.batch_size, seq_len=args.seq_len,
+                     activations=not args.no_activations)
+
+
+def _describe_model(model: ModelFootprint) -> dict[str, Any]:
+    return {"name": model.name, "parameters": model.numel, "trainable": model.trainable_numel,
+            "parameter_bytes": model.parameter_bytes, "buffer_bytes": model.buffer_bytes,
+            "by_dtype": model.by_dtype(), "largest_unit": model.unit_name, "largest_unit_parameters": model.unit_parameters,
+            "activation_bytes": model.activation_bytes, "activation_note": model.activation_note}
+
+
+def _model_line(model: ModelFootprint, optimizer: str) -> str:
+    dtypes = ", ".join(f"{count:,} {dtype}" for dtype, count in model.by_dtype().items())
+    activations = (f"activations {format_bytes(model.activation_bytes)} ({model.activation_note})"
+                   if model.activation_bytes is not None else f"activations not estimated: {model.activation_note}")
+    return (f"model {model.name}: {model.numel:,} parameters ({dtypes}; {model.trainable_numel:,} trainable), "
+            f"{format_bytes(model.parameter_bytes)}; largest block {model.unit_name}: {model.unit_parameters:,}; "
+            f"optimizer {optimizer}; {activations}")
+
+
+__all__ = ["DESCRIPTION", "PROG", "build_parser", "estimate_memory", "run_estimate"]

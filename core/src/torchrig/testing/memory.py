@@ -1,0 +1,43 @@
+"""Measure the memory a training step really holds, to check estimates against (CPU or any device).
+
+:func:`live_storages` walks every tensor the garbage collector tracks and records each storage
+once (by address), so a measurement taken before building a model and one after its first step
+differ by exactly what the model, its gradients, its optimizer and the strategy's own buffers hold
+— whichever library allocated them (FSDP2's DTensor shards, DeepSpeed's flat partitions).
+Activations are measured with :class:`torchrig.memory_model.SavedTensorCounter` on a real batch.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import torch
+
+
+def live_storages() -> dict[int, int]:
+    """``{address: bytes}`` of the storage of every live, materialised tensor (meta excluded)."""
+    gc.collect()
+    found: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance() on deprecated objects (torch.distributed.reduce_op) warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if obj.device.type == "meta":
+            continue
+        try:
+            storage = obj.untyped_storage()
+            size = storage.nbytes()
+            if size:
+                found[storage.data_ptr()] = size
+        except (RuntimeError, NotImplementedError):  # no real storage: DTensor wrappers, freed FSDP2 buffers
+            continue
+    return found
+
+
+def bytes_held_since(baseline: dict[int, int]) -> int:
+    """Bytes of live storages that were not live in ``baseline`` (a :func:`live_storages` result)."""
+    return sum(size for address, size in live_storages().items() if baseline.get(address) != size)
+
+
+__all__ = ["bytes_held_since", "live_storages"]
