@@ -265,6 +265,7 @@ def test_a_directory_without_config_json_is_named(tmp_path, capsys):
     assert code == 2 and f"MODEL {str(tmp_path)!r} is a directory without a config.json" in err
 
 
+@pytest.mark.multiprocess
 def test_help_imports_no_torch():
     code = ("import sys\nfrom torchrig.cli.main import main\ntry:\n    main(['estimate-memory', '--help'])\n"
             "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'estimate-memory --help imported torch'\n")
