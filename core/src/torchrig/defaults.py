@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from torchrig.config.options import CORE_SECTIONS, InitProcessGroupKwargs
 from torchrig.markers import hookimpl
 from torchrig.memory import MemoryEstimate, MemoryRequest, replicated_estimate
 from torchrig.types import Capabilities, ClusterInfo, LaunchPlan, PreparedModel
@@ -18,10 +19,6 @@ from torchrig.types import Capabilities, ClusterInfo, LaunchPlan, PreparedModel
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.checkpoint.files import CheckpointWriter
     from torchrig.run import RunContext
-
-#: Default collective timeout (seconds) for every process group, when the config sets none.
-DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
-
 
 def apply_timeout_to_later_groups(timeout: Any) -> None:
     """One collective timeout for every process group: groups created later without an explicit
@@ -39,8 +36,6 @@ class CoreDefaults:
 
     @hookimpl
     def torchrig_config_sections(self) -> list[Any]:
-        from torchrig.config.options import CORE_SECTIONS
-
         return list(CORE_SECTIONS)
 
     @hookimpl(trylast=True)
@@ -61,8 +56,8 @@ class CoreDefaults:
 
         import torch.distributed as dist
 
-        timeout = datetime.timedelta(
-            seconds=float(run.option("init_process_group_kwargs.timeout", DEFAULT_COLLECTIVE_TIMEOUT_S)))
+        # The default (1800 s) is declared once, on InitProcessGroupKwargs.timeout.
+        timeout = datetime.timedelta(seconds=float(run.section(InitProcessGroupKwargs).timeout))
         apply_timeout_to_later_groups(timeout)
         if dist.is_initialized():
             if dist.get_world_size() != run.cluster.world_size:
@@ -153,4 +148,4 @@ class CoreDefaults:
         return {"OMP_NUM_THREADS": str(max(1, cores // plan.nproc_per_node))}
 
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "CoreDefaults"]
+__all__ = ["CoreDefaults"]
