@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'torchrig[ray]'")
+from torchrig.checkpoint import MANIFEST_NAME
+
 try:
+    import ray
     import ray.train
     from ray.train.torch import TorchTrainer
-except ImportError as exc:  # ray without its [train] extra
-    pytest.skip(f"ray.train cannot be imported ({exc}): pip install 'torchrig[ray]'", allow_module_level=True)
-
-from torchrig.checkpoint import MANIFEST_NAME
+except ImportError as exc:  # no ray, or ray without its [train] extra
+    ray = None
+    RAY_MISSING = f"ray.train cannot be imported ({exc}): pip install 'torchrig[ray]'"
+else:
+    RAY_MISSING = ""
+needs_ray = pytest.mark.skipif(ray is None, reason=RAY_MISSING)
 
 RAY_DAEMONS = ("raylet", "gcs_server")
 
@@ -119,6 +124,16 @@ def _train(config: dict) -> None:
     assert directory is not None and os.path.isfile(os.path.join(directory, MANIFEST_NAME)), directory
 
 
+def test_the_plugin_imports_neither_ray_nor_torch_until_a_ray_worker_asks():
+    code = ("import sys, torchrig_ray, torchrig_ray.cluster, torchrig_ray.manifest\n"
+            "from torchrig_ray.cluster import RayTrainCluster\n"
+            "assert RayTrainCluster().torchrig_detect_cluster(environ={'RANK': '0', 'WORLD_SIZE': '2'}) is None\n"
+            "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@needs_ray
 @pytest.mark.timeout(300)
 def test_accelerator_runs_inside_torchtrainer_on_two_workers_and_adopts_rays_process_group(local_ray, tmp_path):
     trainer = TorchTrainer(
@@ -148,6 +163,7 @@ def test_accelerator_runs_inside_torchtrainer_on_two_workers_and_adopts_rays_pro
         assert str(directory).startswith(str(tmp_path / "ray_results")), directory
 
 
+@needs_ray
 def test_ray_plugin_declines_outside_a_ray_worker():
     from torchrig.testing import make_host
 

@@ -77,6 +77,8 @@ def main() -> None:
     accelerator.wait_for_everyone()
     with open(os.path.join(out, f"rank-{seen['rank']}.json"), "w") as handle:
         json.dump(seen, handle)
+    del accelerator
+    dist.destroy_process_group()  # a gloo group left to the interpreter's exit can abort it
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ Checked, every mismatch in one :class:`~torchrig.errors.ConfigError` naming both
 - world size and rank: the cluster environment's answer (``RANK``/``WORLD_SIZE``, Ray's context,
   ``cluster: local``...) against the group's;
 - ``num_processes``, when set by the script, a run config file, the environment or a flag
-  (the machine's default file describes the machine, not this job): against the group's world size;
+  (the machine's default file describes the machine, not this job): against the world size of a
+  group of several ranks (a one-rank group is what the single-process path makes, e.g. the
+  DeepSpeed plugin's; ``python train.py`` runs one process whatever ``num_processes`` says);
 - the backend: ``init_process_group_kwargs.backend`` when set, else the device's (cuda needs
   ``nccl``, the CPU ``gloo``), must be one the group has (``"cpu:gloo,cuda:nccl"`` has both).
 
@@ -92,7 +94,7 @@ def adopt_existing_group(run: RunContext) -> AdoptedGroup | None:
                         f"the existing process group says {rank}")
     wanted = run.option("num_processes")
     origin = _source(run.config, "num_processes")
-    if origin is not None and wanted is not None and int(wanted) != world_size:
+    if world_size > 1 and origin is not None and wanted is not None and int(wanted) != world_size:
         problems.append(f"num_processes={wanted} ({origin}), but the existing process group has world size {world_size}")
     configured = run.option("init_process_group_kwargs.backend")
     if configured:

@@ -10,8 +10,9 @@ priority  plugin         recognises                                      decline
                          ``WORLD_SIZE``, ``MASTER_ADDR``,                is optional): a Kubeflow PyTorchJob or a
                          ``MASTER_PORT`` (no launcher)                   JobSet running the script directly sets
                                                                          exactly these
-10        process_group  a default process group that already exists    ``torch.distributed`` is not imported, or
-                         (created by the user, Ray, another framework)   no default group is initialised
+10        process_group  a default process group of several ranks that   ``torch.distributed`` is not imported, no
+                         already exists (created by the user, Ray,       default group is initialised, or it has one
+                         another framework)                              rank (that says nothing the default doesn't)
 ========  =============  ==============================================  ===========================================
 
 Why here: torchelastic needs ``LOCAL_RANK`` too, so a pod of a PyTorchJob that runs ``python
@@ -123,7 +124,7 @@ class ProcessGroupCluster:
     @hookimpl
     def torchrig_detect_cluster(self, environ: Mapping[str, str]) -> ClusterInfo | None:
         group = existing_default_group()
-        if group is None:
+        if group is None or group[1] <= 1:
             return None
         rank, world_size = group
         local_rank, local_world = _local_layout(environ, "process_group", rank, world_size, world_size)
