@@ -15,7 +15,6 @@ import tempfile
 import time
 
 import pytest
-
 from torchrig.checkpoint import MANIFEST_NAME
 
 try:
@@ -129,7 +128,7 @@ def test_the_plugin_imports_neither_ray_nor_torch_until_a_ray_worker_asks():
             "from torchrig_ray.cluster import RayTrainCluster\n"
             "assert RayTrainCluster().torchrig_detect_cluster(environ={'RANK': '0', 'WORLD_SIZE': '2'}) is None\n"
             "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
