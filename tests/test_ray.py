@@ -7,6 +7,7 @@ Skipped, with the reason, when ``ray[train]`` is not installed (``pip install 't
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -122,6 +123,16 @@ def _train(config: dict) -> None:
     directory = torchrig_ray.report.report(accelerator, {"ranks": everyone}, checkpoint=True)
     assert directory is not None and os.path.isfile(os.path.join(directory, MANIFEST_NAME)), directory
 
+    # Ray now offers the persisted copy (to rank 0, the one that reported it): every rank loads it.
+    with torch.no_grad():
+        accelerator.unwrap_model(model).weight.zero_()
+    loaded = torchrig_ray.report.load_checkpoint(accelerator)
+    restored = [round(v, 6) for v in accelerator.unwrap_model(model).weight.detach().flatten().tolist()]
+    assert loaded is not None and loaded.startswith(config["storage"]) and loaded != directory, loaded
+    assert restored == weights, (restored, weights)
+    with open(os.path.join(config["project_dir"], f"loaded-{rank}.json"), "w") as handle:
+        json.dump({"loaded": loaded, "restored": restored, "reported": directory}, handle)
+
 
 def test_the_plugin_imports_neither_ray_nor_torch_until_a_ray_worker_asks():
     code = ("import sys, torchrig_ray, torchrig_ray.cluster, torchrig_ray.manifest\n"
@@ -137,7 +148,7 @@ def test_the_plugin_imports_neither_ray_nor_torch_until_a_ray_worker_asks():
 def test_accelerator_runs_inside_torchtrainer_on_two_workers_and_adopts_rays_process_group(local_ray, tmp_path):
     trainer = TorchTrainer(
         _train,
-        train_loop_config={"project_dir": str(tmp_path / "project")},
+        train_loop_config={"project_dir": str(tmp_path / "project"), "storage": str(tmp_path / "ray_results")},
         scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5}),
         run_config=ray.train.RunConfig(name="torchrig", storage_path=str(tmp_path / "ray_results")),
     )
@@ -160,6 +171,12 @@ def test_accelerator_runs_inside_torchtrainer_on_two_workers_and_adopts_rays_pro
     with result.checkpoint.as_directory() as directory:
         assert os.path.isfile(os.path.join(directory, MANIFEST_NAME)), os.listdir(directory)
         assert str(directory).startswith(str(tmp_path / "ray_results")), directory
+    # load_checkpoint: every rank loaded Ray's persisted copy (not torchrig's own directory) and
+    # got back the weights it had saved (they were zeroed in between).
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / "project" / f"loaded-{rank}.json").read_text())
+        assert seen["loaded"] == str(result.checkpoint.path), seen
+        assert seen["restored"] == ranks[rank]["weights"] and seen["loaded"] != seen["reported"], seen
 
 
 @needs_ray

@@ -9,8 +9,8 @@ committed directory already holds every rank's files. Ray copies it into the run
 ``storage_path`` and lists it in ``Result.checkpoint`` / ``best_checkpoints``.
 
 ``load_checkpoint(accelerator)`` resumes from the checkpoint Ray hands a restarted run
-(``ray.train.get_checkpoint()``): ``accelerator.load_state`` on its directory, which verifies the
-manifest as for any torchrig checkpoint.
+(``ray.train.get_checkpoint()``, rank 0's broadcast to every rank): ``accelerator.load_state`` on
+its directory, which verifies the manifest as for any torchrig checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray.train
+import torch.distributed
 
 
 def report(accelerator: Any, metrics: Mapping[str, Any], *, checkpoint: bool = False,
@@ -44,12 +45,18 @@ def report(accelerator: Any, metrics: Mapping[str, Any], *, checkpoint: bool = F
 
 def load_checkpoint(accelerator: Any, **load_kwargs: Any) -> str | None:
     """Load the checkpoint Ray Train offers this run (``ray.train.get_checkpoint()``) into the
-    prepared objects; ``None`` when Ray has none (a fresh run). Keyword arguments go to
-    ``accelerator.load_state``."""
-    offered = ray.train.get_checkpoint()
-    if offered is None:
+    prepared objects; ``None`` when Ray has none (a fresh run). Call it on every rank.
+
+    Rank 0's answer is broadcast, so every rank loads the same checkpoint or none (Ray hands a
+    restarted run's checkpoint to every worker, but within a run only the ranks that reported it
+    know it). Keyword arguments go to ``accelerator.load_state``, which verifies the manifest.
+    """
+    offered = [ray.train.get_checkpoint()]
+    if accelerator.num_processes > 1:
+        torch.distributed.broadcast_object_list(offered, src=0)
+    if offered[0] is None:
         return None
-    with offered.as_directory() as directory:
+    with offered[0].as_directory() as directory:
         accelerator.load_state(directory, **load_kwargs)
         return str(directory)
 
