@@ -31,6 +31,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 
+from torchrig.builtins.clusters import _check_ranks, _int_var, _port_var
 from torchrig.markers import hookimpl
 from torchrig.types import ClusterInfo
 
@@ -38,33 +39,17 @@ from torchrig.types import ClusterInfo
 ENV_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _int(environ: Mapping[str, str], name: str, plugin: str, minimum: int = 0) -> int:
-    raw = environ[name]
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError(f"{plugin}: {name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"{plugin}: {name}={raw!r} must be >= {minimum}")
-    return value
-
-
-def _below(plugin: str, name: str, value: int, size_name: str, size: int) -> None:
-    if not 0 <= value < size:
-        raise ValueError(f"{plugin}: {name}={value} is not below {size_name}={size}")
-
-
 def _local_layout(environ: Mapping[str, str], plugin: str, rank: int, world_size: int,
                   default_local_world: int) -> tuple[int, int]:
     """``(local_rank, local_world_size)`` from ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` when set."""
     if "LOCAL_RANK" not in environ:
         return (rank if default_local_world == world_size else 0), default_local_world
-    local_rank = _int(environ, "LOCAL_RANK", plugin)
+    local_rank = _int_var(environ, "LOCAL_RANK", plugin)
     if "LOCAL_WORLD_SIZE" in environ:
-        local_world = _int(environ, "LOCAL_WORLD_SIZE", plugin, 1)
+        local_world = _int_var(environ, "LOCAL_WORLD_SIZE", plugin, minimum=1)
     else:  # not said: the default layout, stretched to hold this local rank
         local_world = min(max(default_local_world, local_rank + 1), world_size)
-    _below(plugin, "LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world)
+    _check_ranks(plugin, ("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world))
     if local_world > world_size:
         raise ValueError(f"{plugin}: LOCAL_WORLD_SIZE={local_world} exceeds WORLD_SIZE={world_size}")
     return local_rank, local_world
@@ -85,13 +70,11 @@ class EnvCluster:
         if not all(name in environ for name in ENV_VARIABLES):
             return None
         p = "env"
-        rank = _int(environ, "RANK", p)
-        world_size = _int(environ, "WORLD_SIZE", p, 1)
-        _below(p, "RANK", rank, "WORLD_SIZE", world_size)
+        rank = _int_var(environ, "RANK", p)
+        world_size = _int_var(environ, "WORLD_SIZE", p, minimum=1)
+        _check_ranks(p, ("RANK", rank), ("WORLD_SIZE", world_size))
         local_rank, local_world = _local_layout(environ, p, rank, world_size, 1)
-        port = _int(environ, "MASTER_PORT", p, 1)
-        if port > 65535:
-            raise ValueError(f"{p}: MASTER_PORT={environ['MASTER_PORT']!r} is not a TCP port (1-65535)")
+        port = _port_var(environ, "MASTER_PORT", p)
         addr = environ["MASTER_ADDR"].strip()
         if not addr:
             raise ValueError(f"{p}: MASTER_ADDR is empty; set it to the host of rank 0")
