@@ -1,6 +1,7 @@
 """Ray Train for real: an Accelerator script inside ``ray.train.torch.TorchTrainer`` on a local Ray.
 
-One Ray instance (``ray.init(num_cpus=2)``) serves every test here (starting Ray costs ~10 s);
+One Ray instance (``ray.init(num_cpus=2)``) serves every test here (starting Ray costs ~10 s),
+and is stopped when the module ends, so it holds no memory or CPU during the rest of the suite;
 the fixture shuts it down and checks that no ``raylet`` / ``gcs_server`` it started survives.
 Skipped, with the reason, when ``ray[train]`` is not installed (``pip install 'torchrig[ray]'``).
 """
@@ -47,7 +48,7 @@ def _daemons() -> dict[int, str]:
     return found
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # every Ray test lives here: one Ray start, stopped before the next module
 def local_ray():
     before = _daemons()
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay short
