@@ -54,7 +54,8 @@ def accelerate_rows() -> list[str]:
 
 #: The reference documents torchrig's own distributions; other installed plugins (the example
 #: plugin in examples/localsgd, a user's) document their sections themselves.
-FIRST_PARTY = ("torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers")
+FIRST_PARTY = ("torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers",
+               "torchrig-ray")
 
 
 def first_party_host() -> PluginHost:

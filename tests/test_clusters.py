@@ -275,21 +275,22 @@ def test_cluster_plugins_are_installed_with_their_documented_priorities():
     host = make_host()
     infos = {i.name: i for i in host.plugins("cluster")}
     assert {name: info.priority for name, info in infos.items() if info.record.distribution == "torchrig"} == {
-        "torchelastic": 50, "slurm": 40, "mpi": 30, "local": -100,
+        "torchelastic": 50, "slurm": 40, "mpi": 30, "env": 20, "process_group": 10, "local": -100,
     }
     for info in infos.values():
         assert info.status is PluginStatus.AVAILABLE
         assert info.manifest.summary
     host.select_auto("cluster")
     asked = [name for name, _ in host.iter_impls("torchrig_detect_cluster", environ={})]
-    builtin = ["cluster:torchelastic", "cluster:slurm", "cluster:mpi", "cluster:local"]
+    builtin = ["cluster:torchelastic", "cluster:slurm", "cluster:mpi", "cluster:env", "cluster:process_group",
+               "cluster:local"]
     assert [n for n in asked if n in builtin] == builtin  # highest priority asked first
     assert asked[-1] == "core:defaults"
 
 
 @pytest.mark.multiprocess
 def test_cluster_modules_do_not_import_torch():
-    code = ("import sys, torchrig.builtins.clusters, torchrig.builtins.manifests; "
+    code = ("import sys, torchrig.builtins.clusters, torchrig.builtins.adopted, torchrig.builtins.manifests; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

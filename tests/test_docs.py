@@ -10,7 +10,8 @@ from torchrig.testing import make_host
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 #: The configuration reference covers torchrig's own distributions (not examples/localsgd's plugin).
-FIRST_PARTY = ("torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers")
+FIRST_PARTY = ("torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers",
+               "torchrig-ray")
 
 
 def first_party_host():

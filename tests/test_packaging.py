@@ -14,7 +14,8 @@ import pytest
 import torchrig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PLUGINS = {"ddp": "torchrig-ddp", "fsdp": "torchrig-fsdp", "deepspeed": "torchrig-deepspeed", "trackers": "torchrig-trackers"}
+PLUGINS = {"ddp": "torchrig-ddp", "fsdp": "torchrig-fsdp", "deepspeed": "torchrig-deepspeed", "trackers": "torchrig-trackers",
+           "ray": "torchrig-ray"}
 
 
 def load(path: pathlib.Path) -> dict:
@@ -75,7 +76,7 @@ def test_core_source_never_names_a_plugin_package():
     offenders = []
     for path in (REPO / "core/src/torchrig").rglob("*.py"):
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if re.match(r"\s*(from|import)\s+torchrig_(ddp|fsdp|deepspeed|trackers)\b", line):
+            if re.match(r"\s*(from|import)\s+torchrig_(ddp|fsdp|deepspeed|trackers|ray)\b", line):
                 offenders.append(f"{path.relative_to(REPO)}:{number}")
     assert not offenders, offenders
 

@@ -159,7 +159,9 @@ def torchrig_detect_cluster(environ: Mapping[str, str]) -> ClusterInfo | None:
     - ranks: every worker.
     - kind: firstresult, over the cluster plugins in descending priority (or only the one named
       by the ``cluster`` option). A plugin answers only when it recognises ``environ``
-      (torchelastic: ``TORCHELASTIC_RUN_ID``; slurm: ``SLURM_PROCID``...), else ``None``.
+      (torchelastic: ``TORCHELASTIC_RUN_ID``; slurm: ``SLURM_PROCID``...), else ``None``. The
+      built-in ``process_group`` plugin answers from a default process group that exists
+      already instead (``torch.distributed`` imported and initialised by someone else).
     - arguments: ``environ`` — the process environment (a copy; tests pass recorded ones).
     - return: :class:`~torchrig.types.ClusterInfo`.
     - default: a single process, rank 0 of 1.
@@ -190,8 +192,10 @@ def torchrig_init_process_group(run: RunContext) -> bool | None:
       (DeepSpeed: ``deepspeed.init_distributed``); otherwise the core does.
     - return: ``True`` once the group is ready.
     - default: ``torch.distributed.init_process_group`` with the device's backend and the one
-      configured collective timeout, when ``world_size > 1`` and no group exists yet (two
-      Accelerators in one process share it); nothing for one process.
+      configured collective timeout, when ``world_size > 1`` and no group exists yet; nothing
+      for one process. A group that exists already (Ray Train's, the user's, an earlier
+      Accelerator's) was checked and adopted by the core just before this call
+      (:mod:`torchrig.process_group`): implementations must not create another.
     """
 
 

@@ -17,6 +17,7 @@ from torchrig.config.resolve import Layer, resolve_config
 from torchrig.enums import DistributedType
 from torchrig.kinds import PluginKind
 from torchrig.plugin_manager import PluginHost, PluginStatus
+from torchrig.process_group import adopt_existing_group
 from torchrig.run import RunContext
 from torchrig.step_plan import StepPlan, StepPlanBuilder
 from torchrig.types import ClusterInfo
@@ -59,7 +60,10 @@ def start_run(
     """Detect the cluster (unless given), select plugins, claim the device, join the process group.
 
     Order (each step a hook): ``torchrig_detect_cluster`` → ``torchrig_select_device`` →
-    ``torchrig_init_process_group`` → ``torchrig_collectives`` → ``torchrig_configure``.
+    ``torchrig_init_process_group`` → ``torchrig_collectives`` → ``torchrig_configure``. A default
+    process group that exists already (Ray Train, the user, an earlier Accelerator) is checked
+    against the run and adopted before ``torchrig_init_process_group``
+    (:func:`torchrig.process_group.adopt_existing_group`), which then creates nothing.
 
     ``process_only``: only the device and the process group (``PartialState`` before any
     ``Accelerator``): no precision, strategy or tracker is selected, so the Accelerator created
@@ -74,6 +78,7 @@ def start_run(
     host.check_pending()
     run = RunContext(config=config, plugins=host, cluster=cluster)
     run.device = host.hook.torchrig_select_device(run=run)
+    adopt_existing_group(run)
     host.hook.torchrig_init_process_group(run=run)
     run.collectives = host.hook.torchrig_collectives(run=run)
     host.hook.torchrig_configure.call_historic(kwargs={"run": run})

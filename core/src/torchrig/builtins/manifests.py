@@ -57,7 +57,8 @@ class DEVICE_CUDA(_Device):
 
 
 # Cluster environments, asked in descending priority (torchrig.builtins.clusters explains why):
-# torchelastic 50 > slurm 40 > mpi 30 > local -100 > the core default (one process).
+# torchelastic 50 > slurm 40 > mpi 30 > env 20 > process_group 10 > local -100 > the core default
+# (one process); env and process_group: torchrig.builtins.adopted.
 
 
 class _Cluster(PluginManifest):
@@ -82,6 +83,18 @@ class CLUSTER_MPI(_Cluster):
     summary = ("one process per MPI rank (Open MPI OMPI_COMM_WORLD_*, MVAPICH2 MV2_*, MPICH/Intel MPI PMI_RANK); "
                "MASTER_ADDR and MASTER_PORT exported with mpirun -x; priority 30, after torchelastic and slurm")
     priority = 30
+
+
+class CLUSTER_ENV(_Cluster):
+    summary = ("torch's env:// variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT with no launcher (a Kubeflow "
+               "PyTorchJob pod running the script); LOCAL_RANK optional (else one process per node); priority 20")
+    priority = 20
+
+
+class CLUSTER_PROCESS_GROUP(_Cluster):
+    summary = ("a default process group created before torchrig (the user, another framework) that no variables "
+               "describe: rank and world size from the group; priority 10, the last real environment")
+    priority = 10
 
 
 class CLUSTER_LOCAL(_Cluster):

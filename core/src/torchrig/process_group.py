@@ -1,0 +1,118 @@
+"""Adopting a default process group that exists before the run starts.
+
+Ray Train's ``TorchTrainer`` creates the group before the training function runs; a user or
+another framework may call ``dist.init_process_group`` before ``Accelerator()``; a second
+Accelerator in one process finds the first one's group. torchrig never initialises a second
+group then: :func:`adopt_existing_group` (called by :func:`torchrig.runtime.start_run` after the
+device is claimed, before ``torchrig_init_process_group``) checks the group against the run and
+records it, and the ``torchrig_init_process_group`` implementations see ``dist.is_initialized()``
+and create nothing.
+
+Checked, every mismatch in one :class:`~torchrig.errors.ConfigError` naming both values:
+
+- world size and rank: the cluster environment's answer (``RANK``/``WORLD_SIZE``, Ray's context,
+  ``cluster: local``...) against the group's;
+- ``num_processes``, when set by the script, a run config file, the environment or a flag
+  (the machine's default file describes the machine, not this job): against the world size of a
+  group of several ranks (a one-rank group is what the single-process path makes, e.g. the
+  DeepSpeed plugin's; ``python train.py`` runs one process whatever ``num_processes`` says);
+- the backend: ``init_process_group_kwargs.backend`` when set, else the device's (cuda needs
+  ``nccl``, the CPU ``gloo``), must be one the group has (``"cpu:gloo,cuda:nccl"`` has both).
+
+The group's own timeout is kept (its creator chose it); groups torchrig creates later get the
+configured one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from torchrig.builtins.adopted import existing_default_group
+from torchrig.errors import ConfigError
+from torchrig.types import StashKey
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchrig.run import RunContext
+
+
+@attrs.frozen
+class AdoptedGroup:
+    """The default process group a run found already initialised."""
+
+    #: The group object itself (``torch.distributed.group.WORLD``).
+    group: Any
+    #: ``torch.distributed.get_backend()``: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``...
+    backend: str
+    rank: int
+    world_size: int
+
+
+#: ``run.stash[ADOPTED_GROUP]``: set when the run adopted an existing group.
+ADOPTED_GROUP: StashKey[AdoptedGroup] = StashKey("core.adopted_group")
+
+#: Configuration layers that state this job's intent (not the defaults, not the machine's file).
+_INTENT_LAYERS = ("argument", "config file", "environment", "flag")
+
+
+def group_backends(backend: str) -> set[str]:
+    """The backends of a group: ``"gloo"`` → ``{"gloo"}``; ``"cpu:gloo,cuda:nccl"`` → ``{"gloo", "nccl"}``."""
+    return {part.split(":", 1)[-1].strip() for part in str(backend).split(",") if part.strip()}
+
+
+def _source(config: Any, key: str) -> str | None:
+    """Where ``key`` came from, if the configuration remembers it and it states intent."""
+    source = getattr(config, "source", None)
+    if source is None:  # a plain mapping (tests, direct start_run): every key given is intent
+        return "configuration" if config.get(key) is not None else None
+    try:
+        origin = source(key)
+    except KeyError:
+        return None
+    return str(origin) if origin.layer.label in _INTENT_LAYERS else None
+
+
+def adopt_existing_group(run: RunContext) -> AdoptedGroup | None:
+    """Check an existing default process group against ``run`` and record it; ``None`` when the
+    process has none (the ``torchrig_init_process_group`` hook then creates one)."""
+    existing = existing_default_group()
+    if existing is None:
+        return None
+    import torch.distributed as dist  # already imported: existing_default_group found it in sys.modules
+
+    rank, world_size = existing
+    backend = str(dist.get_backend())
+    backends = group_backends(backend)
+    cluster = run.cluster
+    problems = []
+    if cluster.world_size != world_size:
+        problems.append(f"world size: the cluster environment {cluster.source!r} says {cluster.world_size}, "
+                        f"the existing process group has {world_size}")
+    elif cluster.rank != rank:
+        problems.append(f"rank: the cluster environment {cluster.source!r} says {cluster.rank}, "
+                        f"the existing process group says {rank}")
+    wanted = run.option("num_processes")
+    origin = _source(run.config, "num_processes")
+    if world_size > 1 and origin is not None and wanted is not None and int(wanted) != world_size:
+        problems.append(f"num_processes={wanted} ({origin}), but the existing process group has world size {world_size}")
+    configured = run.option("init_process_group_kwargs.backend")
+    if configured:
+        if not group_backends(str(configured)) <= backends:
+            problems.append(f"init_process_group_kwargs.backend={configured!r} "
+                            f"({_source(run.config, 'init_process_group_kwargs.backend') or 'configuration'}), "
+                            f"but the existing process group's backend is {backend!r}")
+    elif run.device is not None and world_size > 1 and run.device.dist_backend not in backends:
+        problems.append(f"the device {run.device.name!r} needs backend {run.device.dist_backend!r}, "
+                        f"but the existing process group's backend is {backend!r}")
+    if problems:
+        raise ConfigError(problems, header=(
+            f"this process already has a default process group (backend {backend!r}, rank {rank} of {world_size}) "
+            "created before torchrig, and it does not match the run; torchrig adopts an existing group and never "
+            "creates a second one, so make the configuration agree with the group (or create the group to match)"))
+    adopted = AdoptedGroup(group=dist.group.WORLD, backend=backend, rank=rank, world_size=world_size)
+    run.stash[ADOPTED_GROUP] = adopted
+    return adopted
+
+
+__all__ = ["ADOPTED_GROUP", "AdoptedGroup", "adopt_existing_group", "group_backends"]
