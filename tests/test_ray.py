@@ -29,6 +29,8 @@ except ImportError as exc:  # no ray, or ray without its [train] extra
 else:
     RAY_MISSING = ""
 needs_ray = pytest.mark.skipif(ray is None, reason=RAY_MISSING)
+# A local Ray instance, its workers and a subprocess: this module is the multiprocess tier.
+pytestmark = pytest.mark.multiprocess
 
 RAY_DAEMONS = ("raylet", "gcs_server")
 
