@@ -4,9 +4,8 @@
 # the tokenizer. The training part — Accelerator(), prepare, backward, step — is the seed's.
 import torch
 from torch.optim import AdamW
-from transformers import BertConfig, BertForSequenceClassification
-
 from torchrig import Accelerator  # the only torchrig-specific line (was: from accelerate import Accelerator)
+from transformers import BertConfig, BertForSequenceClassification
 
 # 1. Initialize Accelerator
 accelerator = Accelerator()

@@ -16,10 +16,9 @@ import argparse
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from tqdm.auto import tqdm
-
 from torchrig import Accelerator
 from torchrig.utils import set_seed
+from tqdm.auto import tqdm
 
 
 def make_data(n: int, seed: int) -> TensorDataset:

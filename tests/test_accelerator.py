@@ -254,7 +254,7 @@ def test_two_accelerators_share_a_process_and_a_different_strategy_raises(fake_m
     first = Accelerator(cpu=True, mixed_precision="bf16")
     second = Accelerator(cpu=True)  # same strategy, different precision: fine
     assert (first.mixed_precision, second.mixed_precision) == ("bf16", "no")
-    model_a, model_b = first.prepare(mlp()), second.prepare(mlp())
+    model_a, _ = first.prepare(mlp()), second.prepare(mlp())
     assert model_a(torch.ones(1, 8)).dtype == torch.float32
 
 

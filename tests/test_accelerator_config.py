@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-
 from torchrig import Accelerator, DataLoaderConfiguration, GradScalerKwargs, ProjectConfiguration
 from torchrig.config.resolve import ConfigOverrideWarning, encode_launch_overrides
 from torchrig.errors import ConfigError

@@ -13,7 +13,6 @@ import sys
 
 import attrs
 import pytest
-
 from torchrig.builtins.clusters import (
     expand_hostlist,
     mpirun_command,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from torchrig.collectives import Collectives
 
 pytestmark = pytest.mark.multiprocess
@@ -68,7 +67,6 @@ def test_single_process_collectives_return_input_shapes():
 
 def _shard_through_the_default_hook(ctx):
     from torch.utils.data import DataLoader, TensorDataset
-
     from torchrig.runtime import negotiate_capabilities
     from torchrig.testing import make_host
     from torchrig.types import ClusterInfo

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import pathlib
-
 import json
 import math
 import os
+import pathlib
 import sys
 import textwrap
 
@@ -14,7 +13,6 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from torchrig.config.loader import Document, Mark, load_file, load_text, resolve_extends
 from torchrig.errors import ConfigError
 

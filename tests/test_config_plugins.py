@@ -8,19 +8,17 @@ at most once (its import costs seconds); torch-freedom is checked in a subproces
 
 from __future__ import annotations
 
-import pathlib
-
 import argparse
 import enum
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
 import warnings
 
 import pytest
-
 from torchrig.config.flags import add_config_flags, collect_flags, flag_values
 from torchrig.config.resolve import Layer, Schema, resolve_config
 from torchrig.errors import ConfigError
@@ -141,8 +139,8 @@ def test_accelerate_spellings_codes_and_torch_objects_normalise(host, tmp_path):
     assert config["fsdp_config.reshard_after_forward"] is True
     assert config["fsdp_config.cpu_ram_efficient_loading"] is True
 
-    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
     import torch
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
 
     plugin = FullyShardedDataParallelPlugin(
         sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,

@@ -10,6 +10,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torchrig import DataLoaderConfiguration, GradScalerKwargs, InitProcessGroupKwargs, ProjectConfiguration
+from torchrig.config.compat import ACCELERATE_KEYS
 from torchrig.config.resolve import (
     ConfigOverrideWarning,
     Layer,
@@ -340,7 +341,6 @@ def test_arbitrary_yaml_documents_raise_only_config_error(host, tmp_path, docume
 
 # -- every Accelerate key ------------------------------------------------------------------------
 
-from torchrig.config.compat import ACCELERATE_KEYS
 
 SUPPORTED_EXAMPLES = {
     "distributed_type": ("NO", "strategy", "single"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from torchrig.testing.contracts import rank_environment
 
 pytestmark = pytest.mark.multiprocess
@@ -13,7 +12,6 @@ pytestmark = pytest.mark.multiprocess
 def _accumulation_comm(ctx, micro_steps):
     """Count, per backward, whether DDP's communication hook fired."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     from torchrig import Accelerator
 
     with rank_environment(ctx.rank, ctx.world_size):
@@ -50,7 +48,6 @@ def test_accumulation_communicates_only_on_the_optimizer_step(gloo_pool):
 
 def _gather_for_metrics(ctx):
     from torch.utils.data import DataLoader, TensorDataset
-
     from torchrig import Accelerator
 
     with rank_environment(ctx.rank, ctx.world_size):
@@ -73,7 +70,6 @@ def test_gather_for_metrics_counts_each_sample_exactly_once_on_an_uneven_last_ba
 
 def _comm_hook_and_frozen(ctx, hook):
     from torch.nn.parallel import DistributedDataParallel
-
     from torchrig import Accelerator
     from torchrig_ddp.options import DistributedDataParallelKwargs
 
@@ -109,7 +105,6 @@ def test_bf16_compression_is_refused_before_training_without_cuda():
 
 def _collectives_under_ddp(ctx):
     from torch.utils.data import DataLoader, TensorDataset
-
     from torchrig import Accelerator
 
     with rank_environment(ctx.rank, ctx.world_size):
@@ -156,7 +151,6 @@ def _timeout_for_later_groups(ctx):
 
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
-
     from torchrig import Accelerator, InitProcessGroupKwargs
 
     with rank_environment(ctx.rank, ctx.world_size):

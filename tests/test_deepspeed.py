@@ -17,7 +17,6 @@ import sys
 
 import pytest
 import torch
-
 from torchrig.testing.contracts import rank_environment
 
 pytestmark = pytest.mark.multiprocess

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from torchrig import hookimpl
 from torchrig.errors import (
     PluginAPIVersionError,

@@ -7,10 +7,9 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 
 import pytest
-
+import tomllib
 import torchrig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -56,7 +55,8 @@ def test_core_extras_and_default_ddp():
 
 
 def test_dev_install_pins_cpu_torch_and_installs_plugins_from_local_paths():
-    lines = [l.strip() for l in (REPO / "requirements-dev.txt").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = [line.strip() for line in (REPO / "requirements-dev.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
     assert "torch==2.13.0" in lines
     for directory in ["core[test,examples]", *(f"plugins/{p}" for p in PLUGINS)]:
         assert f"-e ./{directory}" in lines
@@ -96,5 +96,6 @@ def test_every_manifest_module_is_torch_free():
 def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     block = readme.split("## Test", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
-    ci = [l for l in (REPO / ".ci/run").read_text().splitlines() if l.strip() and not l.startswith(("#", "set ", "cd ", "export "))]
+    ci = [line for line in (REPO / ".ci/run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd ", "export "))]
     assert ci == [block], f"README test command {block!r} differs from .ci/run {ci!r}"

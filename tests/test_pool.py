@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
 from torchrig.testing.pool import PoolTimeout, WorkerContext, WorkerDied, WorkerError, WorkerPool
 from torchrig.testing.processes import ProcessGuard, leftover_processes, spawn_in_new_session
 

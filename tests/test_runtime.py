@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 import torch
-
 from torchrig import hookimpl
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest

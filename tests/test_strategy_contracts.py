@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from torchrig.testing.contracts import StrategyContract
 
 pytestmark = pytest.mark.multiprocess

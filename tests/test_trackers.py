@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from torchrig import Accelerator, PluginImportError, Tracker, tracker_lane, tracking
-from torchrig.testing.contracts import rank_environment
+from torchrig.testing.contracts import TrackerContract, rank_environment
 
 SCRIPTS = Path(__file__).parent / "tracker_scripts"
 STEPS = 12
@@ -622,7 +622,6 @@ def test_torchrig_launch_two_processes_one_run_per_tracker_and_drops_in_run_stat
 # --------------------------------------------------------------------------------------------
 # the tracker contract (torchrig.testing.contracts.TrackerContract), read back by each library
 
-from torchrig.testing.contracts import TrackerContract
 
 
 class TestCSVContract(TrackerContract):

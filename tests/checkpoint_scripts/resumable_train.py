@@ -17,7 +17,6 @@ import signal
 
 import numpy as np
 import torch
-
 from torchrig import Accelerator
 from torchrig.config.options import ProjectConfiguration
 

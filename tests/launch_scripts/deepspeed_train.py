@@ -7,7 +7,6 @@ import os
 
 import torch
 from _ready import announce
-
 from torchrig import Accelerator
 
 out = announce()

@@ -7,7 +7,6 @@ import sys
 
 import torch
 from _ready import announce
-
 from torchrig import Accelerator
 
 

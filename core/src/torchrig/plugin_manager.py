@@ -18,8 +18,8 @@ Lifecycle of a plugin (kind, name):
 from __future__ import annotations
 
 import difflib
-import functools
 import enum
+import functools
 import importlib.metadata as md
 import importlib.util
 import os

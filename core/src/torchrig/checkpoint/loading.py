@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from torchrig.checkpoint import layout
 from torchrig.checkpoint.files import CheckpointError
 from torchrig.checkpoint.state import FINGERPRINT_SECTIONS, comparable_data_order, diff, reseed_rng, restore_rng
-from torchrig.checkpoint.trust import load_pickled
 from torchrig.checkpoint.state_dicts import load_structured
+from torchrig.checkpoint.trust import load_pickled
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.checkpoint.manager import CheckpointManager

@@ -49,12 +49,12 @@ from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.loading import describe as _describe
 from torchrig.checkpoint.pending import PendingSave
 from torchrig.checkpoint.state import capture_rng, describe_dataloader, digest, fingerprint_config
+from torchrig.checkpoint.state_dicts import save_structured
 from torchrig.checkpoint.trust import check_loadable
 from torchrig.collectives import Collectives
 from torchrig.config.resolve import Schema
 from torchrig.launch import status
 from torchrig.logging import get_logger
-from torchrig.checkpoint.state_dicts import save_structured
 
 logger = get_logger(__name__)
 

@@ -35,7 +35,6 @@ from collections.abc import KeysView, Mapping
 from typing import Any
 
 import attrs
-
 from torchrig.config.loader import Document, load_text
 from torchrig.config.schema import suggest
 from torchrig.errors import ConfigError

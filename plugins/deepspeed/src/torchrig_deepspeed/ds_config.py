@@ -43,8 +43,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
-
 from torchrig.errors import ConfigError
+
 from torchrig_deepspeed.config_checks import AUTO, DS_KEY, load_deepspeed_json
 from torchrig_deepspeed.options import DeepSpeedPlugin
 from torchrig_deepspeed.placeholders import DummyOptim, DummyScheduler

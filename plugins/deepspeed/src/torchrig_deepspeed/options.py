@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-
 from torchrig.config.schema import at_least, between, class_names, option
+
 from torchrig_deepspeed.config_checks import load_deepspeed_json
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")

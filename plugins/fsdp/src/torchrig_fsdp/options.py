@@ -33,7 +33,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
-
 from torchrig.config.schema import at_least, class_names, enum_name, option, suggest
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
