@@ -15,8 +15,11 @@ import pathlib
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+from torchrig.process_group import settle_threads
 from torchrig.testing import make_host
 from torchrig.testing.contracts import ClusterContract
 from torchrig.testing.processes import spawn_in_new_session
@@ -95,17 +98,27 @@ def base_env() -> dict[str, str]:
     return env | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run_all(commands: list[tuple[list[str], dict[str, str]]], guard, timeout: float = 120) -> list[str]:
-    procs = [spawn_in_new_session(cmd, guard=guard, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for cmd, env in commands]
-    outputs = []
+def run_all(commands: list[tuple[list[str], dict[str, str]]], guard, logs: pathlib.Path,
+            timeout: float = 120) -> list[str]:
+    """Run the commands together; each one's output goes to a file (a pipe read one process at a
+    time could stall the other), and a failure or a timeout shows every process's log."""
+    logs.mkdir(exist_ok=True)
+    paths = [logs / f"process-{index}.log" for index in range(len(commands))]
+    procs = []
+    for (cmd, env), path in zip(commands, paths):
+        with open(path, "w") as log:
+            procs.append(spawn_in_new_session(cmd, guard=guard, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
     try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
+        while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         guard.kill_all()
-    for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}:\n{output[-4000:]}"
+    outputs = [path.read_text() for path in paths]
+    report = "\n".join(f"--- {proc.args} exited {proc.returncode}:\n{output[-3000:]}"
+                       for proc, output in zip(procs, outputs))
+    assert time.monotonic() < deadline, f"still running after {timeout} s:\n{report}"
+    assert all(proc.returncode == 0 for proc in procs), report
     return outputs
 
 
@@ -120,6 +133,13 @@ def assert_trained_together(ranks: list[dict], source: str) -> None:
     assert ranks[0]["weights"] == ranks[1]["weights"], "DDP must leave identical weights on both ranks"
 
 
+def assert_group_released(ranks: list[dict]) -> None:
+    """torchrig created the group: its exit handler destroys it (the script does not; the
+    workers' exit status shows the exit did not abort, pytorch/pytorch#190489)."""
+    for seen in ranks:
+        assert seen["initialized_after_release"] is False, seen
+
+
 @pytest.mark.timeout(180)
 def test_pytorchjob_pods_run_the_script_directly(tmp_path, process_guard):
     port = free_port()
@@ -127,9 +147,10 @@ def test_pytorchjob_pods_run_the_script_directly(tmp_path, process_guard):
     for rank in (0, 1):  # exactly what the training operator sets; no LOCAL_RANK, no launcher
         pod = base_env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank)}
         pods.append(([sys.executable, str(WORKER), "plain", str(tmp_path)], pod))
-    run_all(pods, process_guard)
+    run_all(pods, process_guard, tmp_path / "logs")
     ranks = results(tmp_path)
     assert_trained_together(ranks, "env")
+    assert_group_released(ranks)
     assert all(seen["local_rank"] == 0 and seen["environ"]["LOCAL_RANK"] is None for seen in ranks), ranks
 
 
@@ -143,9 +164,10 @@ def test_pytorchjob_pods_run_torchrun_with_two_nodes(tmp_path, process_guard):
                    "1", "--node_rank", pod["RANK"], "--master_addr", pod["MASTER_ADDR"], "--master_port",
                    pod["MASTER_PORT"], "--max_restarts", "0", str(WORKER), "plain", str(tmp_path)]
         nodes.append((command, pod))
-    run_all(nodes, process_guard)
+    run_all(nodes, process_guard, tmp_path / "logs")
     ranks = results(tmp_path)
     assert_trained_together(ranks, "torchelastic")
+    assert_group_released(ranks)
     assert all(seen["environ"]["TORCHELASTIC_RUN_ID"] for seen in ranks), ranks
 
 
@@ -154,7 +176,7 @@ def test_a_process_group_the_script_created_is_adopted_and_mismatches_are_refuse
     store = tmp_path / "store"
     env = base_env()  # no RANK/WORLD_SIZE/MASTER_*: only the group says where each process sits
     scripts = [([sys.executable, str(WORKER), "adopt", str(tmp_path), str(store), str(rank), "2"], env) for rank in (0, 1)]
-    run_all(scripts, process_guard)
+    run_all(scripts, process_guard, tmp_path / "logs")
     ranks = results(tmp_path)
     assert_trained_together(ranks, "process_group")
     for seen in ranks:
@@ -165,3 +187,21 @@ def test_a_process_group_the_script_created_is_adopted_and_mismatches_are_refuse
         assert "existing process group has world size 2" in seen["num_processes_mismatch"], seen
         assert "init_process_group_kwargs.backend='nccl'" in seen["backend_mismatch"], seen
         assert "existing process group's backend is 'gloo'" in seen["backend_mismatch"], seen
+
+
+def test_exit_handler_waits_while_another_thread_is_runnable():
+    """``settle_threads`` (run at exit after the group is destroyed) releases the GIL until the
+    process's other threads stop running: a gloo worker freeing a finished collective's tensors
+    must get the GIL before finalization (pytorch/pytorch#190489)."""
+    done = threading.Event()
+
+    def spin(until: float) -> None:  # runnable the whole time, as a worker thread waiting for a CPU is
+        while time.monotonic() < until:
+            pass
+        done.set()
+
+    spinner = threading.Thread(target=spin, args=(time.monotonic() + 0.3,))
+    spinner.start()
+    settle_threads(limit_s=30)
+    assert done.is_set(), "settle_threads returned while another thread was still runnable"
+    spinner.join()

@@ -445,6 +445,8 @@ def wandb_records(path: str):
         if kind == 0 and length == 0:
             position += left
             continue
+        if position + 7 + length > len(data):
+            return  # the writer is still writing this chunk: read again later
         chunk = data[position + 7:position + 7 + length]
         position += 7 + length
         if kind in (1, 2):  # full, first

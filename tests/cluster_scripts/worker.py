@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torchrig import Accelerator, InitProcessGroupKwargs
 from torchrig.errors import ConfigError
-from torchrig.process_group import ADOPTED_GROUP
+from torchrig.process_group import ADOPTED_GROUP, release_groups_at_exit
 
 
 def train_one_step(accelerator: Accelerator) -> dict:
@@ -75,10 +75,13 @@ def main() -> None:
         accelerator = Accelerator(cpu=True)
     seen |= train_one_step(accelerator)
     accelerator.wait_for_everyone()
+    if mode == "adopt":
+        dist.destroy_process_group()  # the script's own group: the script destroys it
+    else:  # torchrig created the group: what its exit handler does, observed (it runs again at exit)
+        release_groups_at_exit()
+        seen["initialized_after_release"] = dist.is_initialized()
     with open(os.path.join(out, f"rank-{seen['rank']}.json"), "w") as handle:
         json.dump(seen, handle)
-    del accelerator
-    dist.destroy_process_group()  # a gloo group left to the interpreter's exit can abort it
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Adopting a default process group that exists before the run starts.
+"""The default process group's life in a run: adopted when it exists before the run starts,
+released at interpreter exit when torchrig created it.
 
 Ray Train's ``TorchTrainer`` creates the group before the training function runs; a user or
 another framework may call ``dist.init_process_group`` before ``Accelerator()``; a second
@@ -21,10 +22,26 @@ Checked, every mismatch in one :class:`~torchrig.errors.ConfigError` naming both
 
 The group's own timeout is kept (its creator chose it); groups torchrig creates later get the
 configured one.
+
+At interpreter exit (:func:`release_groups_at_exit`, after the live runs ended) a default group
+torchrig created is destroyed, as Accelerate's ``end_training`` does; a group the script or Ray
+created stays theirs to destroy. Then the GIL is released until the process's other threads
+have settled. Why: gloo's worker threads free each finished collective's tensors themselves, and
+a tensor whose Python object they own needs the GIL; when that happens after interpreter
+finalization began, the thread is killed inside a destructor and the process aborts
+("terminate called without an active exception", SIGABRT) after the script succeeded
+(pytorch/pytorch#190489; seen here at the end of a 2-node torchrun job on a loaded machine).
+Destroying the group does not stop those threads (torch's DDP keeps the group object alive
+until finalization), so the only cure is to let them finish while the interpreter is alive.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -51,6 +68,11 @@ class AdoptedGroup:
 
 #: ``run.stash[ADOPTED_GROUP]``: set when the run adopted an existing group.
 ADOPTED_GROUP: StashKey[AdoptedGroup] = StashKey("core.adopted_group")
+
+#: The default groups torchrig's runs created (weak: a destroyed, freed group drops out).
+_CREATED_GROUPS: list[weakref.ref[Any]] = []
+#: Whether a run of this process had a process group at all (created or adopted).
+_HAD_GROUP = [False]
 
 #: Configuration layers that state this job's intent (not the defaults, not the machine's file).
 _INTENT_LAYERS = ("argument", "config file", "environment", "flag")
@@ -115,4 +137,53 @@ def adopt_existing_group(run: RunContext) -> AdoptedGroup | None:
     return adopted
 
 
-__all__ = ["ADOPTED_GROUP", "AdoptedGroup", "adopt_existing_group", "group_backends"]
+def record_group(run: RunContext) -> None:
+    """After ``torchrig_init_process_group``: remember a default group this run created (one it
+    did not adopt), so :func:`release_groups_at_exit` destroys it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    _HAD_GROUP[0] = True
+    if ADOPTED_GROUP not in run.stash and not any(ref() is dist.group.WORLD for ref in _CREATED_GROUPS):
+        _CREATED_GROUPS.append(weakref.ref(dist.group.WORLD))
+
+
+def release_groups_at_exit(settle_limit_s: float = 2.0) -> None:
+    """Destroy the default group torchrig created, if it still exists, then let gloo's worker
+    threads finish freeing what they hold (see the module docstring for the abort this prevents)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not _HAD_GROUP[0]:
+        return
+    created = [ref() for ref in _CREATED_GROUPS]
+    _CREATED_GROUPS.clear()
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if world is not None and any(group is world for group in created):
+        dist.destroy_process_group()
+    del created, world
+    settle_threads(settle_limit_s)
+
+
+def settle_threads(limit_s: float, step_s: float = 0.01) -> None:
+    """Release the GIL until no other thread of this process is runnable twice in a row (Linux:
+    each thread's state in ``/proc/self/task``), or ``limit_s`` passed; elsewhere sleep 0.1 s."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        time.sleep(min(0.1, limit_s))
+        return
+    me, quiet, deadline = str(threading.get_native_id()), 0, time.monotonic() + limit_s
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(step_s)
+        quiet = quiet + 1 if not any(_runnable(tasks, tid) for tid in os.listdir(tasks) if tid != me) else 0
+
+
+def _runnable(tasks: str, tid: str) -> bool:
+    try:
+        with open(f"{tasks}/{tid}/stat") as handle:
+            stat = handle.read()
+    except OSError:  # the thread ended
+        return False
+    return stat[stat.rindex(")") + 2:].startswith("R")
+
+
+__all__ = ["ADOPTED_GROUP", "AdoptedGroup", "adopt_existing_group", "group_backends", "record_group",
+           "release_groups_at_exit", "settle_threads"]

@@ -17,7 +17,7 @@ from torchrig.config.resolve import Layer, resolve_config
 from torchrig.enums import DistributedType
 from torchrig.kinds import PluginKind
 from torchrig.plugin_manager import PluginHost, PluginStatus
-from torchrig.process_group import adopt_existing_group
+from torchrig.process_group import adopt_existing_group, record_group, release_groups_at_exit
 from torchrig.run import RunContext
 from torchrig.step_plan import StepPlan, StepPlanBuilder
 from torchrig.types import ClusterInfo
@@ -80,6 +80,7 @@ def start_run(
     run.device = host.hook.torchrig_select_device(run=run)
     adopt_existing_group(run)
     host.hook.torchrig_init_process_group(run=run)
+    record_group(run)
     run.collectives = host.hook.torchrig_collectives(run=run)
     host.hook.torchrig_configure.call_historic(kwargs={"run": run})
     _LIVE_RUNS.add(run)
@@ -156,16 +157,22 @@ def end_run(run: RunContext) -> None:
         run.plugins.hook.torchrig_unconfigure(run=run)
 
 
-def _end_live_runs() -> None:
+def _at_exit() -> None:
+    """End the runs still alive, then release the process groups (before finalization)."""
     for run in list(_LIVE_RUNS):
         try:
             end_run(run)
         except Exception as exc:
             print(f"torchrig: torchrig_unconfigure failed at interpreter exit: {type(exc).__name__}: {exc}",
                   file=sys.stderr, flush=True)
+    try:
+        release_groups_at_exit()
+    except Exception as exc:
+        print(f"torchrig: releasing the process group at interpreter exit failed: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
 
 
-atexit.register(_end_live_runs)
+atexit.register(_at_exit)
 
 
 #: Live runs per process-wide world (the default process group, or the lone process): torch's
