@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from torchrig.builtins.adopted import existing_default_group
+from torchrig.config.resolve import Layer, ResolvedConfig
 from torchrig.errors import ConfigError
 from torchrig.types import StashKey
 
@@ -75,7 +76,7 @@ _CREATED_GROUPS: list[weakref.ref[Any]] = []
 _HAD_GROUP = [False]
 
 #: Configuration layers that state this job's intent (not the defaults, not the machine's file).
-_INTENT_LAYERS = ("argument", "config file", "environment", "flag")
+_INTENT_LAYERS = (Layer.ARGUMENT, Layer.CONFIG_FILE, Layer.ENV, Layer.FLAG)
 
 
 def group_backends(backend: str) -> set[str]:
@@ -83,16 +84,13 @@ def group_backends(backend: str) -> set[str]:
     return {part.split(":", 1)[-1].strip() for part in str(backend).split(",") if part.strip()}
 
 
-def _source(config: Any, key: str) -> str | None:
-    """Where ``key`` came from, if the configuration remembers it and it states intent."""
-    source = getattr(config, "source", None)
-    if source is None:  # a plain mapping (tests, direct start_run): every key given is intent
-        return "configuration" if config.get(key) is not None else None
-    try:
-        origin = source(key)
-    except KeyError:
-        return None
-    return str(origin) if origin.layer.label in _INTENT_LAYERS else None
+def _source(run: RunContext, key: str) -> str | None:
+    """Where ``key`` came from, if it states this job's intent; a run on a plain mapping (tests,
+    direct ``start_run``) has no layers, so every key given there is intent."""
+    if not isinstance(run.config, ResolvedConfig):
+        return "configuration" if run.config.get(key) is not None else None
+    origin = run.option_source(key)
+    return str(origin) if origin is not None and origin.layer in _INTENT_LAYERS else None
 
 
 def adopt_existing_group(run: RunContext) -> AdoptedGroup | None:
@@ -115,14 +113,14 @@ def adopt_existing_group(run: RunContext) -> AdoptedGroup | None:
         problems.append(f"rank: the cluster environment {cluster.source!r} says {cluster.rank}, "
                         f"the existing process group says {rank}")
     wanted = run.option("num_processes")
-    origin = _source(run.config, "num_processes")
+    origin = _source(run, "num_processes")
     if world_size > 1 and origin is not None and wanted is not None and int(wanted) != world_size:
         problems.append(f"num_processes={wanted} ({origin}), but the existing process group has world size {world_size}")
     configured = run.option("init_process_group_kwargs.backend")
     if configured:
         if not group_backends(str(configured)) <= backends:
             problems.append(f"init_process_group_kwargs.backend={configured!r} "
-                            f"({_source(run.config, 'init_process_group_kwargs.backend') or 'configuration'}), "
+                            f"({_source(run, 'init_process_group_kwargs.backend') or 'configuration'}), "
                             f"but the existing process group's backend is {backend!r}")
     elif run.device is not None and world_size > 1 and run.device.dist_backend not in backends:
         problems.append(f"the device {run.device.name!r} needs backend {run.device.dist_backend!r}, "

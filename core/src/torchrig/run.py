@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
-from torchrig.config.resolve import ResolvedConfig, Schema
+from torchrig.config.resolve import ResolvedConfig, Schema, Source
 from torchrig.types import Capabilities, ClusterInfo, Stash
 
 T = TypeVar("T")
@@ -42,6 +42,14 @@ class RunContext:
     def option(self, key: str, default: Any = None) -> Any:
         """A configuration value by dotted key, or ``default``."""
         return self.config.get(key, default)
+
+    def option_source(self, key: str) -> Source | None:
+        """Where the value of ``key`` came from (its layer and place: file:line, variable, flag),
+        or None when the run's configuration is a plain mapping (test and contract kits build
+        such runs: every key there is given) or no layer declares ``key``."""
+        if isinstance(self.config, ResolvedConfig):
+            return self.config.sources.get(key)
+        return None
 
     def section(self, options: type[T]) -> T:
         """A configuration section as its typed options object, found by class

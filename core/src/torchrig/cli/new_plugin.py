@@ -134,7 +134,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from torchrig import PreparedModel, RunContext, hookimpl
-
+$options_import
 
 class $cls:
     @hookimpl
@@ -149,7 +149,7 @@ class $cls:
             device = run.device.device
             wrapped = DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None,
-                bucket_cap_mb=run.option("${name}_config.bucket_cap_mb", 25))
+                bucket_cap_mb=run.section(${cls}Options).bucket_cap_mb)  # the default lives on the class
         return PreparedModel(model=wrapped, unwrapped=model, optimizers=list(optimizers), schedulers=list(schedulers))
 ''',
         "test": '''"""The contract of every torchrig strategy, run against `$name` on two gloo ranks."""
@@ -186,14 +186,14 @@ from typing import Any
 import torch
 
 from torchrig import RunContext, StepPlanBuilder, hookimpl
-
+$options_import
 
 class $cls:
     @hookimpl
     def torchrig_precision_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
         assert run.device is not None
         device_type = run.device.autocast_device_type
-        dtype = getattr(torch, run.option("${name}_config.dtype", "bfloat16"))
+        dtype = getattr(torch, run.section(${cls}Options).dtype)  # the default lives on the class
 
         def autocast() -> Any:
             return torch.autocast(device_type=device_type, dtype=dtype)
@@ -233,7 +233,7 @@ from __future__ import annotations
 import torch
 
 from torchrig import DeviceBackend, RunContext, hookimpl
-
+$options_import
 
 class ${cls}Backend(DeviceBackend):
     name = "$name"
@@ -246,7 +246,7 @@ class ${cls}Backend(DeviceBackend):
 class $cls:
     @hookimpl
     def torchrig_select_device(self, run: RunContext) -> DeviceBackend | None:
-        return ${cls}Backend(run.option("${name}_config.dist_backend", "gloo"))
+        return ${cls}Backend(run.section(${cls}Options).dist_backend)  # the default lives on the class
 ''',
         "test": '''"""The contract of every torchrig device, run against `$name`."""
 
@@ -351,7 +351,7 @@ from typing import Any
 
 from torchrig import RunContext, Tracker, hookimpl
 from torchrig.tracker import as_scalar, flatten
-
+$options_import
 
 class ${cls}Tracker(Tracker):
     name = "$name"
@@ -383,7 +383,7 @@ class $cls:
     def torchrig_create_trackers(self, run: RunContext, project_name: str, logging_dir: str | None,
                                  init_kwargs: Mapping[str, Mapping[str, Any]]) -> list[Tracker]:
         directory = os.path.join(logging_dir or os.getcwd(), project_name)
-        return [${cls}Tracker(directory, run.option("${name}_config.filename", "metrics.txt"))]
+        return [${cls}Tracker(directory, run.section(${cls}Options).filename)]  # the default lives on the class
 ''',
         "test": '''"""The contract of every torchrig tracker, run against `$name`."""
 

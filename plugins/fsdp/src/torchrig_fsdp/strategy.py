@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torchrig.config.resolve import Layer
 from torchrig.logging import get_logger
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
@@ -58,14 +59,11 @@ def fsdp_options(run: RunContext) -> FullyShardedDataParallelPlugin:
 
 
 def _written_by_operator(run: RunContext, key: str) -> str | None:
-    """Where ``key`` was set when a config file, an environment variable or a flag set it (an
-    explicit choice for this run); None for defaults and ``Accelerator(...)`` arguments (an options
-    object carries every field, chosen or not)."""
-    source = getattr(run.config, "source", None)
-    if source is None:
-        return None
-    where = source(key)
-    return None if getattr(where.layer, "name", "DEFAULT") in ("DEFAULT", "ARGUMENT") else str(where)
+    """Where ``key`` was set when a machine default file, a config file, an environment variable
+    or a flag set it (an explicit choice for this run); None for defaults and ``Accelerator(...)``
+    arguments (an options object carries every field, chosen or not)."""
+    where = run.option_source(key)
+    return None if where is None or where.layer in (Layer.DEFAULT, Layer.ARGUMENT) else str(where)
 
 
 class _Once:

@@ -1,12 +1,12 @@
-"""Train a tiny transformer under whatever the launch configures (fsdp in tests/test_fsdp.py), save
+"""Train a tiny transformer under whatever the launch configures (fsdp in plugins/fsdp/tests/test_fsdp.py), save
 a checkpoint and full weights, and report per rank. Arguments: OUT [STEPS]."""
 
 import json
 import os
+import pathlib
 import sys
 
 import torch
-from _ready import announce
 from torchrig import Accelerator
 
 
@@ -36,7 +36,8 @@ class TinyTransformer(torch.nn.Module):
         return self.head(h)
 
 
-out = announce()
+out = pathlib.Path(sys.argv[1])  # announce this worker (its pid) for the test
+(out / f"ready-{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 accelerator = Accelerator()
 torch.manual_seed(0)

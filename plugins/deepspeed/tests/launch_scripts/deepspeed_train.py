@@ -1,5 +1,5 @@
 """An Accelerate-style training script (only the import changed) run by `torchrig launch` under the
-configuration the test gives (deepspeed in tests/test_deepspeed.py): accumulate, clip_grad_norm_,
+configuration the test gives (deepspeed in plugins/deepspeed/tests/test_deepspeed.py): accumulate, clip_grad_norm_,
 gather_for_metrics, save_state/load_state, save_model. Reports per rank. Arguments: OUT."""
 
 import json

@@ -1,7 +1,7 @@
 """The fsdp strategy (FSDP2, fully_shard) on two real gloo ranks: sharding, numerics, accumulation,
 clipping, precision, wrap policies, checkpoints that reshard, full-weight export.
 
-The strategy contract (tests/test_strategy_contracts.py) covers the basics every strategy shares;
+The strategy contract (test_*_strategy_contract.py beside this file) covers the basics every strategy shares;
 this module covers what is FSDP's own. Multi-process tests run on the shared 2-rank gloo pool,
 each with a hard timeout; the pool asserts at the end of the session that no worker survives.
 """

@@ -2,7 +2,7 @@
 accumulation, clipping, bf16, "auto" values, config errors, several engines per run, engine
 checkpoints through the core's commit protocol, full weights under ZeRO-3, and a real launch.
 
-The strategy contract (tests/test_strategy_contracts.py) covers what every strategy shares; this
+The strategy contract (test_*_strategy_contract.py beside this file) covers what every strategy shares; this
 module covers what is DeepSpeed's own. Multi-process tests run on the shared 2-rank gloo pool, each
 with a hard timeout (DeepSpeed is imported once per pool worker); the pool asserts at the end of the
 session that no worker survives. Subprocess tests run in their own session and are waited for.
