@@ -133,6 +133,7 @@ import attrs
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from torchrig.config.options import DataLoaderConfiguration
 from torchrig.gradient_state import GradientState, gradient_state_of
 from torchrig.nested import send_to_device
 from torchrig.process import PartialState, world_collectives
@@ -1044,17 +1045,18 @@ def prepare_dataloader(run: RunContext, dataloader: Any, *, device_placement: bo
 
         collectives = Collectives(world_size=run.cluster.world_size)
     device = run.device.device if (device_placement is not False and run.device is not None) else None
+    options = run.section(DataLoaderConfiguration)  # each default declared once, on the class
     return PreparedDataLoader(
         dataloader,
         num_replicas=size,
         rank=rank,
         device=device,
-        non_blocking=bool(run.option("dataloader_config.non_blocking", False)),
-        split_batches=bool(run.option("dataloader_config.split_batches", False)),
-        even_batches=bool(run.option("dataloader_config.even_batches", True)),
-        dispatch_batches=run.option("dataloader_config.dispatch_batches", None),
-        seed=run.option("dataloader_config.data_seed", None),
-        use_configured_sampler=bool(run.option("dataloader_config.use_configured_sampler", False)),
+        non_blocking=bool(options.non_blocking),
+        split_batches=bool(options.split_batches),
+        even_batches=bool(options.even_batches),
+        dispatch_batches=options.dispatch_batches,
+        seed=options.data_seed,
+        use_configured_sampler=bool(options.use_configured_sampler),
         collectives=collectives,
         is_source=run.cluster.rank == 0,
         gradient_state=gradient_state_of(run),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
+from torchrig.config.options import CORE_SECTIONS
 from torchrig.config.resolve import ResolvedConfig, Schema, Source
 from torchrig.types import Capabilities, ClusterInfo, Stash
 
@@ -58,14 +59,12 @@ class RunContext:
 
         A run whose configuration is a plain mapping (test and contract kits build such runs) gets
         one made from the section's dotted keys; the plugin host tells under which key the class
-        is declared.
+        is declared (the core's own sections are known without one).
         """
         if isinstance(self.config, ResolvedConfig):
             return self.config.section_of(options)
-        if self.plugins is None:
-            raise KeyError(f"{options.__qualname__}: this run has neither a resolved configuration nor a plugin host "
-                           "to tell which section the class is declared under")
-        keys = [key for key, section in Schema(self.plugins).sections.items() if section.options is options]
+        declared = (Schema(self.plugins).sections.values() if self.plugins is not None else CORE_SECTIONS)
+        keys = [section.key for section in declared if section.options is options]
         if not keys:
             raise KeyError(f"no installed plugin declares a configuration section of type {options.__qualname__}")
         prefix = keys[0] + "."

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from torchrig.config.options import AutocastKwargs
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
 from torchrig.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_loss_scaling
@@ -34,8 +35,8 @@ class PrecisionPlugin:
             return
         assert run.device is not None
         device_type, dtype = run.device.autocast_device_type, self.dtype
-        enabled = bool(run.option("autocast_kwargs.enabled", True))
-        cache_enabled = run.option("autocast_kwargs.cache_enabled")
+        autocast_options = run.section(AutocastKwargs)  # each default declared once, on the class
+        enabled, cache_enabled = bool(autocast_options.enabled), autocast_options.cache_enabled
         extra = {} if cache_enabled is None else {"cache_enabled": bool(cache_enabled)}
 
         def autocast() -> Any:

@@ -28,6 +28,7 @@ from typing import Any
 
 import attrs
 import torch
+from torchrig.config.options import DataLoaderConfiguration
 from torchrig.gradient_state import GradientState, gradient_state_of
 from torchrig.logging import get_logger
 from torchrig.markers import hookimpl
@@ -159,7 +160,7 @@ class DeepSpeedStrategy:
             accumulation_steps=_accumulation_steps(run, options), world_size=run.cluster.world_size,
             micro_batch=micro_batch_of(run.stash.get(LOADERS) or [], options.is_train_batch_min),
             model=model, optimizer=optimizer, scheduler=schedulers[0] if schedulers else None,
-            split_batches=bool(run.option("dataloader_config.split_batches", False)))
+            split_batches=bool(run.section(DataLoaderConfiguration).split_batches))
         if not records:  # Accelerate's deepspeed_plugin.deepspeed_config shows the first engine's configuration
             built.config = options.adopt_engine_config(built.config)
         placeholder = bool(schedulers) and isinstance(schedulers[0], DummyScheduler)
