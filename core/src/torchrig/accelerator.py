@@ -15,21 +15,27 @@ import contextlib
 import functools
 import gc
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.compile import compile_model
-from torchrig.config.options import ProfileKwargs
+from torchrig.config.options import PreemptionConfig, ProfileKwargs
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.enums import RNGType
 from torchrig.errors import ConfigError
 from torchrig.gradient_state import gradient_state_of
+from torchrig.launch import status
 from torchrig.nested import convert_to_fp32, recursively_apply
 from torchrig.optimizer import AcceleratedOptimizer
 from torchrig.plugin_manager import PluginHost
+from torchrig.preemption import Preempted, install_signal_handlers, run_requeue_command
+from torchrig.preemption_watch import PreemptionWatch
 from torchrig.process import AcceleratorState, ProcessControl
 from torchrig.profiling import profile_options, profile_run
 from torchrig.run import RunContext
@@ -202,6 +208,53 @@ class Accelerator(ProcessControl):
         self.flag_tensor: Any = None
         self._checkpoints = CheckpointManager(self._ledger)
         self._trackers = TrackerHub(self._run)
+        self._preemption = self._arm_preemption()
+
+    def _arm_preemption(self) -> PreemptionWatch | None:
+        """With ``preemption.signals`` set: record those signals, refuse what could not be honoured
+        (nowhere to save, a requeue nobody can do), and hand the step boundary to the data layer."""
+        options = self._run.section(PreemptionConfig)
+        if not options.signals:
+            return None
+        problems = []
+        project = self.config.section("project_config")
+        if not (project.project_dir and project.automatic_checkpoint_naming):
+            problems.append(f"preemption.signals ({self.config.source('preemption.signals')}): a preemption "
+                            "checkpoint needs automatically named checkpoints to resume from: set "
+                            "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True) (config keys "
+                            "project_config.project_dir and project_config.automatic_checkpoint_naming)")
+        self._requeue_command: list[str] = []
+        if options.requeue:
+            self._requeue_command = list(self._host.hook.torchrig_requeue_command(environ=dict(os.environ)) or [])
+            if not self._requeue_command:
+                problems.append(f"preemption.requeue ({self.config.source('preemption.requeue')}): no cluster plugin "
+                                "can requeue this job (it does not run under a scheduler torchrig knows, e.g. Slurm); "
+                                "set preemption.requeue to false and resubmit the job yourself")
+        if problems:
+            raise ConfigError(problems)
+        install_signal_handlers(options.signals)
+        watch = PreemptionWatch(self.num_processes, self._stop_for_preemption)
+        self.gradient_state.step_boundary = watch.at_step_boundary
+        return watch
+
+    def _stop_for_preemption(self, signal_name: str) -> None:
+        """Every rank, at the same step boundary: commit a checkpoint, end the run, requeue, exit."""
+        assert self._preemption is not None
+        options = self._run.section(PreemptionConfig)
+        checkpoint = self.save_state(async_save=False)
+        step = self._preemption.steps
+        requeued = None
+        if self._requeue_command and self.is_main_process:
+            requeued, failure = run_requeue_command(self._requeue_command)
+            if failure:  # the checkpoint is safe; say why the job will not come back by itself
+                self.print(f"torchrig: preemption: {failure}", file=sys.stderr)
+        if self._requeue_command:
+            self.wait_for_everyone()  # no rank exits (srun --kill-on-bad-exit) before the job is requeued
+        status.record(preempted={"signal": signal_name, "checkpoint": checkpoint, "step": step, "requeued": requeued})
+        self.end_training()
+        stop = Preempted(options.exit_code, signal_name=signal_name, checkpoint=checkpoint, step=step, requeued=requeued)
+        self.print(f"torchrig: {stop}", file=sys.stderr, flush=True)
+        raise stop
 
     def _configure_accumulation(self) -> None:
         """Gradient accumulation settings: ``GradientAccumulationPlugin``, then the fields a
@@ -387,6 +440,9 @@ class Accelerator(ProcessControl):
     def _step_plan(self) -> StepPlan:
         if self._plan is None or self._plan_generation != self._host.generation:
             self._plan = build_step_plan(self._host, self._run)
+            if self._preemption is not None:  # count optimizer steps: a preemption stops only after one
+                self._plan = attrs.evolve(self._plan, optimizer_step=self._preemption.wrap_optimizer_step(
+                    self._plan.optimizer_step))
             self._plan_generation = self._host.generation
             for optimizer in self._optimizers:
                 optimizer.plan = self._plan

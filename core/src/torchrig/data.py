@@ -1005,6 +1005,8 @@ class PreparedDataLoader:
                     self.end_of_dataloader, self.remainder = True, meta.real_samples
                     state.end_of_dataloader, state.remainder = True, meta.real_samples
                 yield batch
+                if state.step_boundary is not None:  # preemption armed: the step that used `batch` ended
+                    state.step_boundary(state.sync_gradients)
                 current = following
             p.complete = True
             self._len_skip = 0

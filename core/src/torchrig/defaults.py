@@ -43,6 +43,10 @@ class CoreDefaults:
         return ClusterInfo()
 
     @hookimpl(trylast=True)
+    def torchrig_requeue_command(self, environ: Mapping[str, str]) -> list[str]:
+        return []
+
+    @hookimpl(trylast=True)
     def torchrig_select_device(self, run: RunContext) -> Any:
         from torchrig.builtins.devices import CPUBackend
 

@@ -17,6 +17,7 @@ class GradientState:
     * ``sync_gradients`` — True on the micro-step that ends an accumulation cycle (the optimizer
       steps, gradients are synchronised); False while accumulating.
     * ``end_of_dataloader`` — the batch just yielded is the last of the active dataloader.
+    * ``step_boundary`` — what runs between two batches (preemption's agreement), or None.
     * ``remainder`` — on the last batch: how many samples of the final *global* batch are real
       (the rest repeat earlier samples to keep batches even); -1 when not known / not needed.
       ``gather_for_metrics`` keeps only that many.
@@ -35,6 +36,10 @@ class GradientState:
     step: int = 0
     #: Dataloaders currently being iterated (innermost last).
     active_dataloaders: list[Any] = attrs.field(factory=list)
+    #: Called by prepared dataloaders before they read the next batch, with ``sync_gradients``
+    #: of the micro-step that just ended; set by the Accelerator when preemption is armed
+    #: (:meth:`torchrig.preemption.PreemptionWatch.at_step_boundary`), else None.
+    step_boundary: Any = None
 
     @property
     def in_dataloader(self) -> bool:

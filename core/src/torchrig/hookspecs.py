@@ -212,6 +212,24 @@ def torchrig_collectives(run: RunContext) -> Collectives | None:
     """
 
 
+@hookspec(firstresult=True)
+def torchrig_requeue_command(environ: Mapping[str, str]) -> list[str] | None:
+    """The command that puts the job this process belongs to back in its scheduler's queue.
+
+    - phase: preemption (``preemption.requeue``): asked when the Accelerator is created, to
+      refuse a requeue nobody can do, and run by the main process after the preemption
+      checkpoint committed (docs/preemption.md).
+    - ranks: every worker asks; only the main process runs the command.
+    - kind: firstresult, over the cluster plugins. A plugin answers when ``environ`` shows a job
+      of its scheduler — whoever started the rank (Slurm: ``SLURM_JOB_ID`` is set also under
+      ``srun torchrig launch``, where torchelastic describes the rank) — else ``None``.
+    - arguments: ``environ`` — the process environment (a copy).
+    - return: the argument list to run (``["scontrol", "requeue", "<job id>"]``); ``[]`` means
+      this environment cannot requeue.
+    - default: ``[]``.
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # Preparation — ``Accelerator.prepare``: wrap models with their optimizers, data, schedulers.
 # --------------------------------------------------------------------------------------------

@@ -320,6 +320,13 @@ class SlurmCluster:
     def torchrig_detect_cluster(self, environ: Mapping[str, str]) -> ClusterInfo | None:
         return detect_slurm(environ)
 
+    @hookimpl
+    def torchrig_requeue_command(self, environ: Mapping[str, str]) -> list[str] | None:
+        """``scontrol requeue <job>`` for any process of a Slurm job (batch script, ``srun``
+        task, or a rank ``srun torchrig launch`` started): the job is what goes back in the queue."""
+        job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+        return ["scontrol", "requeue", job] if job else None
+
 
 def slurm_task_recognised(environ: Mapping[str, str]) -> bool:
     """Whether ``environ`` is an ``srun`` task that the slurm plugin describes (see the module table)."""

@@ -29,8 +29,9 @@ NON_FINGERPRINT_KEYS = frozenset({
     "main_process_port", "rdzv_backend", "rdzv_endpoint", "gpu_ids", "log_with", "disable_plugins", "strict_config",
     "dataloader_config.non_blocking",
 })
-#: Core option sections of the same kind: outputs, process-group setup, compilation.
-NON_FINGERPRINT_SECTIONS = ("project_config", "init_process_group_kwargs", "dynamo_config")
+#: Core option sections of the same kind: outputs, process-group setup, compilation, what a
+#: preemption does (a requeued job may well change it).
+NON_FINGERPRINT_SECTIONS = ("project_config", "init_process_group_kwargs", "dynamo_config", "preemption")
 #: The core's other option sections: they define what training computes, at any world size.
 FINGERPRINT_SECTIONS = tuple(section.key for section in CORE_SECTIONS if section.key not in NON_FINGERPRINT_SECTIONS)
 

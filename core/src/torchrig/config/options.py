@@ -154,6 +154,47 @@ class InitProcessGroupKwargs(KwargsHandler):
     backend: str | None = option(None, help="process-group backend (default: the device's: nccl or gloo)")
 
 
+#: Signals that can ask for a preemption checkpoint: Slurm's ``--signal=USR1@<seconds>`` warning
+#: and the SIGTERM a scheduler sends before it kills a job. (SIGUSR2 is the launcher's own
+#: parent-death signal; SIGINT stays Ctrl-C.)
+PREEMPTION_SIGNALS = ("SIGUSR1", "SIGTERM")
+
+
+def _signal_names(value: Any) -> Any:
+    """``"usr1"``, ``"SIGUSR1"``, ``["USR1", "TERM"]`` and ``"SIGUSR1,SIGTERM"`` all mean signal names."""
+    if isinstance(value, str):
+        value = [part for part in value.replace(",", " ").split() if part]
+    if isinstance(value, (list, tuple)):
+        names = []
+        for item in value:
+            name = str(item).strip().upper()
+            names.append(name if name.startswith("SIG") else f"SIG{name}")
+        return names
+    return value
+
+
+def _preemption_signals(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    unknown = [name for name in value if name not in PREEMPTION_SIGNALS]
+    if unknown:
+        raise ValueError(f"expected signal names among {', '.join(PREEMPTION_SIGNALS)}; got {', '.join(unknown)}",
+                         attribute)
+
+
+@attrs.frozen(kw_only=True)
+class PreemptionConfig(KwargsHandler):
+    """torchrig: a signal asks every rank for a final checkpoint at the next step boundary, then the job
+    stops so its scheduler can requeue it (docs/preemption.md)."""
+
+    signals: list[str] = option(factory=list, help="signals that request a preemption checkpoint: SIGUSR1, SIGTERM "
+                                "(empty: off). Slurm: #SBATCH --signal=USR1@120", normalize=_signal_names,
+                                converter=_signal_names,
+                                validator=_preemption_signals)
+    requeue: bool = option(False, help="after the checkpoint, put the job back in its scheduler's queue (Slurm: "
+                           "scontrol requeue); needs a cluster plugin that can")
+    exit_code: int = option(75, help="exit code of a rank that stopped for preemption (75, EX_TEMPFAIL: try again)",
+                            validator=between(0, 255))
+
+
 #: ``ProfileKwargs.activities`` names, as Accelerate spells them (``torch.profiler.ProfilerActivity`` members).
 PROFILER_ACTIVITIES = ("cpu", "cuda", "xpu", "hpu", "mtia")
 
@@ -217,12 +258,14 @@ CORE_SECTIONS: tuple[ConfigSection, ...] = (
     ConfigSection("grad_scaler_kwargs", GradScalerKwargs, help="GradScalerKwargs"),
     ConfigSection("init_process_group_kwargs", InitProcessGroupKwargs, help="InitProcessGroupKwargs"),
     ConfigSection("profile_kwargs", ProfileKwargs, help="ProfileKwargs (accelerator.profile())"),
+    ConfigSection("preemption", PreemptionConfig, help="PreemptionConfig (torchrig: checkpoint and stop on a signal)"),
     ConfigSection("dynamo_config", TorchDynamoPlugin, help="TorchDynamoPlugin (Accelerate's dynamo_config)",
                   default=TorchDynamoPlugin(backend="no")),
 )
 
 __all__ = [
     "CORE_SECTIONS",
+    "PREEMPTION_SIGNALS",
     "PROFILER_ACTIVITIES",
     "AutocastKwargs",
     "CoreOptions",
@@ -231,6 +274,7 @@ __all__ = [
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",
+    "PreemptionConfig",
     "ProfileKwargs",
     "ProjectConfiguration",
     "TorchDynamoPlugin",

@@ -224,8 +224,11 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None) -> int:
     _select_plugins(host, config)
     log_dir = os.path.abspath(args.log_dir or os.path.join(DEFAULT_LOG_ROOT, _run_name()))
     mode = "exec" if args.no_python else ("module" if args.module else "script")
+    signals = list(config.get("preemption.signals") or [])
     worker_command = [sys.executable, "-u", "-m", "torchrig.launch.worker", "--log_dir", log_dir, "--mode", mode,
-                      "--launcher_pid", str(os.getpid()), *_stop_graces(args.shutdown_grace),
+                      "--launcher_pid", str(os.getpid()), *_stop_graces(args.shutdown_grace, "SIGTERM" in signals),
+                      # recorded by each rank's wrapper from its first instruction (torchrig.preemption)
+                      *(["--preemption_signals", ",".join(signals)] if signals else []),
                       "--", target or "<script>", *target_args]
     plan = LaunchPlan(
         command=worker_command, nproc_per_node=layout.nproc_per_node, num_nodes=layout.num_machines,
@@ -273,12 +276,13 @@ def run_plan(host: PluginHost, plan: LaunchPlan) -> int:
     return code
 
 
-def _stop_graces(shutdown_grace: float) -> list[str]:
+def _stop_graces(shutdown_grace: float, checkpoint_on_sigterm: bool = False) -> list[str]:
     """The rank's own stop grace, then its supervisor's (which SIGKILLs the rank's whole tree),
     both within the launcher's ``--shutdown_grace``: a supervisor killed by the launcher first
-    would leave the processes the rank started to live on."""
+    would leave the processes the rank started to live on. A rank that answers SIGTERM with a
+    preemption checkpoint gets most of the launcher's grace for it."""
     stop = min(STOP_GRACE_S, 0.4 * shutdown_grace)
-    kill = min(KILL_GRACE_S, 0.7 * shutdown_grace)
+    kill = 0.9 * shutdown_grace if checkpoint_on_sigterm else min(KILL_GRACE_S, 0.7 * shutdown_grace)
     return ["--stop_grace", f"{stop:g}", "--kill_grace", f"{kill:g}"]
 
 

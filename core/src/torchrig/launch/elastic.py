@@ -22,6 +22,9 @@ across machines (one machine needs none: :class:`SingleNodeRendezvous`), and add
   (:mod:`torchrig.launch.summary`), printed and merged into ``<log_dir>/run_status.json``.
 * **Signals.** SIGINT/SIGTERM/SIGHUP reach the launcher, are forwarded to every worker, which
   are SIGKILLed after ``plan.shutdown_grace_s``; the exit code is 128 + the signal (130, 143).
+  SIGUSR1 is passed on to every rank and tears nothing down (a preemption warning); ranks that
+  stopped after a preemption checkpoint are not restarted, and the launcher exits with their
+  code (75 by default).
 * **Quiet.** Elastic's own log lines (``Sending process ... closing signal``) are hidden unless
   ``TORCHRIG_LOG_LEVEL`` is DEBUG or INFO; the summary says what happened.
 
@@ -60,12 +63,16 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from torchrig.launch import status as _status
 from torchrig.launch import summary as _summary
+from torchrig.launch.supervisor import direct_children
 from torchrig.launch.tail import LogRelay
 from torchrig.types import LaunchPlan
 
 #: Console prefix of each worker's output lines (a ``string.Template`` of ``rank``).
 LOG_LINE_PREFIX = "[rank${rank}]: "
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Passed on to every rank, nothing torn down: a scheduler's warning (Slurm ``--signal=USR1@T``)
+#: that the ranks turn into a preemption checkpoint (:mod:`torchrig.preemption`).
+FORWARDED_SIGNAL = signal.SIGUSR1
 
 
 def free_port(host: str = "") -> int:
@@ -268,6 +275,18 @@ class Observer:
             if self.pids.get(local_rank) == pid:
                 self.exits.setdefault(local_rank, (now, code, sig))
 
+    def forward(self, signum: int) -> None:
+        """Send ``signum`` to each rank (the supervisor's child), not to its process group: the
+        processes a rank started (DataLoader workers) would die of it."""
+        with self.lock:
+            pids = list(self.pids.values()) if not self.ended else []
+        for supervisor in pids:
+            for pid in [supervisor, *direct_children(supervisor)]:
+                try:
+                    os.kill(pid, signum)  # the supervisor blocks it; without one the rank is this pid
+                except OSError:
+                    pass
+
     def teardown(self, death_sig: Any) -> None:
         with self.lock:
             if self.teardown_at is None and not self.ended:
@@ -304,7 +323,7 @@ class Observer:
             "warnings": status.get("warnings") or [],
             "logs": self._logs(rank),
         }
-        for extra in ("trackers", "last_checkpoint"):  # what the Accelerator recorded (status.record)
+        for extra in ("trackers", "last_checkpoint", "preempted"):  # what the Accelerator recorded (status.record)
             if status.get(extra) is not None:
                 record[extra] = status[extra]
         if record["state"] == _status.RUNNING:  # the wrapper never wrote its end: killed, or no wrapper
@@ -393,7 +412,9 @@ class TorchrigAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.UNHEALTHY):
             attempt = self.observer.end(result.failures)
-            if attempt and result.state is not WorkerState.SUCCEEDED and self._remaining_restarts > 0:
+            if attempt and attempt["verdict"]["state"] == _status.PREEMPTED:
+                self._remaining_restarts = 0  # the job is being taken away: resuming is the scheduler's (or the user's) call
+            elif attempt and result.state is not WorkerState.SUCCEEDED and self._remaining_restarts > 0:
                 print(f"torchrig launch: attempt {attempt['attempt']} failed: {attempt['verdict']['headline']}; "
                       f"restarting ({worker_group.spec.max_restarts - self._remaining_restarts + 1} of "
                       f"{worker_group.spec.max_restarts})", file=sys.stderr, flush=True)
@@ -457,6 +478,7 @@ def launch_with_elastic(plan: LaunchPlan) -> int:
     launcher_signal: str | None = None
     launch_error: str | None = None
     previous = {s: signal.signal(s, _raise_signal) for s in _HANDLED_SIGNALS}  # until elastic installs its own
+    previous[FORWARDED_SIGNAL] = signal.signal(FORWARDED_SIGNAL, lambda signum, frame: observer.forward(signum))
     handler = None
     shutdown_rdzv = True
     result: RunResult | None = None
@@ -514,6 +536,8 @@ def _finish(plan: LaunchPlan, log_dir: str, observer: Observer, started_at: floa
         state = _status.INTERRUPTED if launcher_signal == "SIGINT" else _status.TERMINATED
     elif verdict["state"] == _status.FINISHED and not launch_error:
         code, state = 0, _status.FINISHED
+    elif verdict["state"] == _status.PREEMPTED and not launch_error:
+        code, state = int(last["ranks"][0].get("exit_code") or 0), _status.PREEMPTED
     else:
         code, state = 1, _status.FAILED
     plan_info = {"nproc_per_node": plan.nproc_per_node, "num_nodes": plan.num_nodes, "node_rank": plan.node_rank,

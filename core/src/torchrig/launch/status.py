@@ -21,6 +21,8 @@ from typing import Any
 
 #: ``state`` values of a rank status file.
 RUNNING, FINISHED, FAILED, TERMINATED, INTERRUPTED = "running", "finished", "failed", "terminated", "interrupted"
+#: A rank that stopped after a preemption checkpoint (:mod:`torchrig.preemption`): neither a failure nor the end.
+PREEMPTED = "preempted"
 RUN_STATUS_FILE = "run_status.json"
 #: Lines of a traceback (or of a command's stderr) kept in status files and the summary.
 TAIL_LINES = 40

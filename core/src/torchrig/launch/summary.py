@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from torchrig.launch.status import FAILED, FINISHED, INTERRUPTED, RUNNING, TERMINATED
+from torchrig.launch.status import FAILED, FINISHED, INTERRUPTED, PREEMPTED, RUNNING, TERMINATED
 
 #: Words of a collective/rendezvous timeout in gloo, NCCL and torch.distributed messages.
 _TIMEOUT = re.compile(r"timed?[ -]?out|timeout|deadline exceeded", re.IGNORECASE)
@@ -92,6 +92,14 @@ def analyze(records: Sequence[Mapping[str, Any]], *, launcher_signal: str | None
             verdict.update(culprit=stalled[0], reason="stalled", stalled_ranks=stalled,
                            headline=(f"{names} stalled: rank {first['rank']} timed out in a collective that "
                                      f"{names} never reached ({names} {verb} still running elsewhere)"))
+    elif records and all(r.get("state") == PREEMPTED for r in records):
+        first = min(records, key=lambda r: r["rank"])
+        stop = first.get("preempted") or {}
+        where = f"checkpoint {stop['checkpoint']} committed after optimizer step {stop.get('step')}" \
+            if stop.get("checkpoint") else "every rank stopped after the preemption checkpoint"
+        then = f"; the job was requeued ({stop['requeued']})" if stop.get("requeued") else "; run it again to resume"
+        verdict.update(state=PREEMPTED, reason="preempted",
+                       headline=f"preempted by {stop.get('signal') or 'a signal'}: {where}{then}")
     elif launcher_signal:
         state = INTERRUPTED if launcher_signal == "SIGINT" else TERMINATED
         verdict.update(state=state, headline=f"stopped by {launcher_signal}: every rank was told to stop")
@@ -189,6 +197,8 @@ def describe_rank(record: Mapping[str, Any], verdict: Mapping[str, Any], first_f
         return f"{head} torn down by the launcher ({how}){_where(record) if in_collective(record) else ''}"
     if state == FINISHED:
         return f"{head} finished"
+    if state == PREEMPTED:
+        return f"{head} preempted (exit code {record.get('exit_code')})"
     return f"{head} {state or NEVER_STARTED}"
 
 

@@ -67,7 +67,9 @@ def supervise(kill_grace: float) -> None:
         return
     launcher = os.getppid()
     watched = {signal.SIGCHLD, PARENT_DIED, *_STOP_SIGNALS}
-    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+    # SIGUSR1 is the rank's (a preemption warning the launcher forwards): blocked here, where its
+    # default action would end the supervisor and, through the parent-death signal, the rank.
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched | {signal.SIGUSR1})
     libc.prctl(_PR_SET_PDEATHSIG, int(PARENT_DIED), 0, 0, 0)
     pid = os.fork()
     if pid == 0:  # the rank: as if nothing happened (the subreaper mark is not inherited)
@@ -109,6 +111,22 @@ def _exit_like(status: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
     os.kill(os.getpid(), signum)
     os._exit(128 + signum)  # a signal whose default is not to end the process
+
+
+def direct_children(pid: int) -> list[int]:
+    """Live children of ``pid`` (from ``/proc``): a supervisor's is its rank."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                fields = handle.read().decode(errors="replace").rpartition(")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 1 and fields[0] not in ("Z", "X", "x") and int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
 
 
 def descendants(root: int) -> list[int]:
@@ -171,4 +189,4 @@ def _reap_all(exited: dict[int, int]) -> None:
         exited[pid] = status
 
 
-__all__ = ["LEFTOVER_GRACE_S", "PARENT_DIED", "descendants", "end_tree", "supervise"]
+__all__ = ["LEFTOVER_GRACE_S", "PARENT_DIED", "descendants", "direct_children", "end_tree", "supervise"]

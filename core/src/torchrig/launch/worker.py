@@ -18,6 +18,9 @@ recorded whatever happens to it:
   the rank was, which is how a stalled rank is told from one waiting in a collective. A rank
   stuck in native code (a collective) does not run Python signal handlers, so a thread that
   sees the signal through ``signal.set_wakeup_fd`` ends it after a short grace;
+* a preemption (``preemption.signals``): the signals are recorded from the first instruction
+  (``--preemption_signals``), and a script that stopped with
+  :class:`~torchrig.preemption.Preempted` is recorded as ``preempted``, with its checkpoint;
 * ``--no_python`` commands run as a child process whose stderr passes through here, so the
   tail of it lands in the status file (there is no Python entry to wrap).
 
@@ -41,6 +44,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from torchrig import preemption
 from torchrig.launch import status as _status
 from torchrig.launch.supervisor import supervise
 from torchrig.utils.environment import process_is_alive
@@ -84,8 +88,8 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
 
 
 def _parse(argv: Sequence[str]) -> tuple[dict[str, str], str, str, list[str]]:
-    """``--log_dir D --mode M [--launcher_pid P] [--stop_grace S] [--kill_grace S] [--supervise 0|1] -- TARGET
-    ARGS...``; kept dumb and fast."""
+    """``--log_dir D --mode M [--launcher_pid P] [--stop_grace S] [--kill_grace S] [--supervise 0|1]
+    [--preemption_signals SIGUSR1,...] -- TARGET ARGS...``; kept dumb and fast."""
     argv = list(argv)
     if "--" not in argv:
         raise SystemExit("usage: python -m torchrig.launch.worker --log_dir DIR --mode script|module|exec "
@@ -274,6 +278,8 @@ def _run_python(mode: str, target: str, args: list[str], watch: _Watch) -> int:
 
 
 def _outcome(exc: BaseException, watch: _Watch) -> int:
+    if isinstance(exc, preemption.Preempted):
+        return _preempted(watch, exc)
     if isinstance(exc, SystemExit):
         code = _exit_code(exc.code)
         if code == 0:
@@ -305,6 +311,17 @@ def _unfinished_work_failures() -> list[str]:
     script that never saved has none."""
     pending = sys.modules.get("torchrig.checkpoint.pending")
     return list(pending.finish_all()) if pending is not None else []
+
+
+def _preempted(watch: _Watch, exc: preemption.Preempted) -> int:
+    """Stopped after its preemption checkpoint committed: the launcher neither restarts nor blames it."""
+    code = _exit_code(exc.code)
+    failures = _unfinished_work_failures()
+    if failures:
+        message = "; ".join(failures)
+        return _failed(watch, 1, message, message)
+    watch.finish(state=_status.PREEMPTED, exit_code=code, ended_at=time.time(), error=str(exc))
+    return code
 
 
 def _failed(watch: _Watch, code: int, message: str, text: str, **extra: Any) -> int:
@@ -394,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _status._set_current(status)
     watch = _Watch(status, float(opts.get("stop_grace", STOP_GRACE_S)))
+    early = [name for name in opts.get("preemption_signals", "").split(",") if name]
+    if early:  # before the script: a scheduler's warning during its imports is kept, not fatal
+        preemption.install_signal_handlers(early)
     watch.start()
     try:
         if mode == "exec":

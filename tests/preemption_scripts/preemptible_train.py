@@ -1,0 +1,97 @@
+"""A training loop that never mentions preemption: configured from outside
+(``TORCHRIG_PREEMPTION__SIGNALS``), it must stop with a committed checkpoint and resume exactly.
+
+Dropout, a shuffled prepared loader, python/numpy randomness in the loss, a scheduler and AdamW
+make every piece of state matter. Each rank appends ``{"step", "loss", "samples"}`` lines to
+``<project>/log-rank<r>.jsonl``; rank 0 writes the final parameters to ``<project>/final.pt``.
+
+    python preemptible_train.py PROJECT --steps 30 [--delay 0.02] [--signal-self-at K]
+        [--accumulate N]
+"""
+
+import argparse
+import json
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+from torchrig import Accelerator
+from torchrig.config.options import ProjectConfiguration
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+class Indexed(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        return i, torch.randn(6, generator=g), torch.tensor(i % 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("project")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds of 'work' per step")
+    parser.add_argument("--signal-self-at", type=int, default=None, help="rank 0 sends itself SIGUSR1 after this step")
+    parser.add_argument("--accumulate", type=int, default=1)
+    args = parser.parse_args()
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate, project_config=ProjectConfiguration(
+        project_dir=args.project, automatic_checkpoint_naming=True, total_limit=2))
+    torch.manual_seed(1234)
+    random.seed(1234)
+    np.random.seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+    loader = torch.utils.data.DataLoader(Indexed(), batch_size=4, shuffle=True)
+    model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    if accelerator.latest_checkpoint() is not None:
+        accelerator.load_state()
+        print(f"resumed at step {progress.step}", flush=True)
+
+    log = open(os.path.join(args.project, f"log-rank{accelerator.process_index}.jsonl"), "a")
+    while progress.step < args.steps:
+        for ids, x, y in loader:
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss = loss * (1 + 0.01 * random.random()) * (1 + 0.01 * float(np.random.rand()))
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            progress.step += 1
+            log.write(json.dumps({"step": progress.step, "loss": loss.item().hex(), "samples": ids.tolist()}) + "\n")
+            log.flush()
+            time.sleep(args.delay)
+            if args.signal_self_at == progress.step and accelerator.is_main_process:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if progress.step >= args.steps:
+                break
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state = {"params": {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
+                 "optimizer": optimizer.state_dict()}
+        torch.save(state, os.path.join(args.project, "final.pt"))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
