@@ -3,10 +3,10 @@
 
 Dropout, a shuffled prepared loader, python/numpy randomness in the loss, a scheduler and AdamW
 make every piece of state matter. Each rank appends ``{"step", "loss", "samples"}`` lines to
-``<project>/log-rank<r>.jsonl``; rank 0 writes the final parameters to ``<project>/final.pt``.
+``<project>/log-rank<r>.jsonl`` (``"step"`` counts micro-steps); rank 0 writes the final parameters to ``<project>/final.pt``.
 
     python preemptible_train.py PROJECT --steps 30 [--delay 0.02] [--signal-self-at K]
-        [--accumulate N]
+        [--signal-rank R] [--signal SIGUSR1|SIGTERM] [--accumulate N]
 """
 
 import argparse
@@ -47,7 +47,9 @@ def main() -> None:
     parser.add_argument("project")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds of 'work' per step")
-    parser.add_argument("--signal-self-at", type=int, default=None, help="rank 0 sends itself SIGUSR1 after this step")
+    parser.add_argument("--signal-self-at", type=int, default=None, help="a rank sends itself a signal after this step")
+    parser.add_argument("--signal-rank", type=int, default=0, help="the rank that signals itself")
+    parser.add_argument("--signal", default="SIGUSR1", help="the signal it sends itself")
     parser.add_argument("--accumulate", type=int, default=1)
     args = parser.parse_args()
 
@@ -81,8 +83,8 @@ def main() -> None:
             log.write(json.dumps({"step": progress.step, "loss": loss.item().hex(), "samples": ids.tolist()}) + "\n")
             log.flush()
             time.sleep(args.delay)
-            if args.signal_self_at == progress.step and accelerator.is_main_process:
-                os.kill(os.getpid(), signal.SIGUSR1)
+            if args.signal_self_at == progress.step and accelerator.process_index == args.signal_rank:
+                os.kill(os.getpid(), signal.Signals[args.signal])
             if progress.step >= args.steps:
                 break
     accelerator.wait_for_everyone()

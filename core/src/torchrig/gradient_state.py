@@ -38,7 +38,7 @@ class GradientState:
     active_dataloaders: list[Any] = attrs.field(factory=list)
     #: Called by prepared dataloaders before they read the next batch, with ``sync_gradients``
     #: of the micro-step that just ended; set by the Accelerator when preemption is armed
-    #: (:meth:`torchrig.preemption.PreemptionWatch.at_step_boundary`), else None.
+    #: (:meth:`torchrig.preemption_watch.PreemptionWatch.at_step_boundary`), else None.
     step_boundary: Any = None
 
     @property

@@ -6,6 +6,7 @@ one before the user's script, this one only the Accelerator does.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -58,21 +59,22 @@ class PreemptionWatch:
             return
         agreed = self._agreed()
         if agreed:
-            self._stop(local[0] if local is not None else "a signal to another rank")
+            self._stop(signal.Signals(agreed).name)
             return
-        self._start_round(local is not None)
+        self._start_round(int(signal.Signals[local[0]]) if local is not None else 0)
 
-    def _agreed(self) -> bool:
-        """The result of the previous round (started one step ago on every rank)."""
+    def _agreed(self) -> int:
+        """The result of the previous round (started one step ago on every rank): the highest
+        signal number any rank recorded (so every rank names the same signal), 0 for none."""
         if self._pending is None:
-            return False
+            return 0
         work, flag = self._pending
         self._pending = None
         work.wait()
-        return bool(flag.item())
+        return int(flag.item())
 
-    def _start_round(self, mine: bool) -> None:
-        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+    def _start_round(self, signum: int) -> None:
+        flag = torch.tensor([signum], dtype=torch.int32)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._pending = (work, flag)
 

@@ -531,13 +531,14 @@ def _finish(plan: LaunchPlan, log_dir: str, observer: Observer, started_at: floa
     if launch_error and attempts:
         verdict = _summary.analyze(last["ranks"], launcher_signal=launcher_signal, launch_error=launch_error)
         last["verdict"] = verdict
-    if launcher_signal:
+    if verdict["state"] == _status.PREEMPTED and not launch_error:
+        # also when the launcher's own SIGTERM was the warning: the ranks answered it with a checkpoint
+        code, state = int(last["ranks"][0].get("exit_code") or 0), _status.PREEMPTED
+    elif launcher_signal:
         code = 128 + int(signal.Signals[launcher_signal])
         state = _status.INTERRUPTED if launcher_signal == "SIGINT" else _status.TERMINATED
     elif verdict["state"] == _status.FINISHED and not launch_error:
         code, state = 0, _status.FINISHED
-    elif verdict["state"] == _status.PREEMPTED and not launch_error:
-        code, state = int(last["ranks"][0].get("exit_code") or 0), _status.PREEMPTED
     else:
         code, state = 1, _status.FAILED
     plan_info = {"nproc_per_node": plan.nproc_per_node, "num_nodes": plan.num_nodes, "node_rank": plan.node_rank,
