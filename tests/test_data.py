@@ -24,15 +24,10 @@ from torch.utils.data import (
 )
 from torchrig.builtins.devices import CPUBackend
 from torchrig.collectives import Collectives
-from torchrig.data import (
-    PreparedDataLoader,
-    SeedableRandomSampler,
-    prepare_dataloader,
-    send_to_device,
-    shard_dataloader,
-    skip_first_batches,
-)
+from torchrig.data import PreparedDataLoader, SeedableRandomSampler, prepare_dataloader, shard_dataloader
+from torchrig.data.standalone import skip_first_batches
 from torchrig.gradient_state import gradient_state_of
+from torchrig.nested import send_to_device
 from torchrig.run import RunContext
 from torchrig.types import ClusterInfo
 
@@ -229,7 +224,7 @@ def test_device_placement_false_leaves_batches_alone(monkeypatch):
     placed = prepare_dataloader(make_run(), DataLoader(data, batch_size=2))
     kept = prepare_dataloader(make_run(), DataLoader(data, batch_size=2), device_placement=False)
     calls = []
-    monkeypatch.setattr("torchrig.data.send_to_device", lambda *a, **k: calls.append(a) or a[0])
+    monkeypatch.setattr("torchrig.data.loader.send_to_device", lambda *a, **k: calls.append(a) or a[0])
     list(kept)
     assert calls == []
     list(placed)

@@ -27,6 +27,7 @@ from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.compile import compile_model
 from torchrig.config.options import PreemptionConfig, ProfileKwargs
 from torchrig.config.resolve import ResolvedConfig, Schema
+from torchrig.data import standalone as standalone_data
 from torchrig.enums import RNGType
 from torchrig.errors import ConfigError
 from torchrig.gradient_state import gradient_state_of
@@ -688,9 +689,7 @@ class Accelerator(ProcessControl):
                 loader.even_batches = value
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        from torchrig.data import skip_first_batches
-
-        return skip_first_batches(dataloader, num_batches)
+        return standalone_data.skip_first_batches(dataloader, num_batches)
 
     # -- checkpoints (torchrig.checkpoint; docs/checkpoints.md) -------------------------------
 

@@ -297,7 +297,7 @@ TOP_LEVEL: dict[str, Target] = {
     "PartialState": "torchrig.process:PartialState",
     "init_empty_weights": "torchrig.meta_device:init_empty_weights",
     "init_on_device": "torchrig.meta_device:init_on_device",
-    "skip_first_batches": "torchrig.data:skip_first_batches",
+    "skip_first_batches": "torchrig.data.standalone:skip_first_batches",
     "notebook_launcher": "torchrig.launch.notebook:notebook_launcher",
     "debug_launcher": "torchrig.launch.notebook:debug_launcher",
     "load_checkpoint_in_model": "torchrig.utils.modeling:load_checkpoint_in_model",
@@ -356,10 +356,10 @@ DATA_LOADER: dict[str, Target] = {
     "SeedableRandomSampler": "torchrig.data:SeedableRandomSampler",
     "DataLoaderShard": "torchrig.data:PreparedDataLoader",
     "DataLoaderDispatcher": "torchrig.data:PreparedDataLoader",
-    "SkipBatchSampler": "torchrig.data:SkipBatchSampler",
-    "get_sampler": "torchrig.data:get_sampler",
-    "prepare_data_loader": "torchrig.data:prepare_data_loader",
-    "skip_first_batches": "torchrig.data:skip_first_batches",
+    "SkipBatchSampler": "torchrig.data.standalone:SkipBatchSampler",
+    "get_sampler": "torchrig.data.standalone:get_sampler",
+    "prepare_data_loader": "torchrig.data.standalone:prepare_data_loader",
+    "skip_first_batches": "torchrig.data.standalone:skip_first_batches",
     "BatchSamplerShard": Refused("torchrig shards index lists inside its prepared loader instead of wrapping batch "
                                  "samplers", "torchrig.data_loader.prepare_data_loader(dataloader, num_processes=..., "
                                  "process_index=...) or accelerator.prepare(dataloader)"),

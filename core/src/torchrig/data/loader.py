@@ -1,0 +1,591 @@
+"""The prepared loader: runs a pass of the plan through a rebuilt torch DataLoader, places
+batches, keeps the resume position and the end-of-data flags. ``_iterate`` is the hot path: one
+generator step per batch, a few integer additions, no allocation beyond the batch itself."""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from torchrig.data.plan import (
+    LOADER_KWARGS,
+    BatchMeta,
+    Layout,
+    PlanBatchSampler,
+    ShardedIterable,
+    TaggedCollate,
+    batch_rounds,
+    index_rounds,
+)
+from torchrig.data.seeding import (
+    STATE_VERSION,
+    SeedableRandomSampler,
+    derive_seed,
+    epoch_seed,
+    lent_generator,
+    worker_seed,
+)
+from torchrig.gradient_state import GradientState
+from torchrig.nested import send_to_device
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchrig.collectives import Collectives
+
+
+@attrs.define
+class _Position:
+    samples: int = 0
+    batches: int = 0
+    global_batches: int = 0
+
+
+@attrs.define(eq=False)
+class _Pass:
+    epoch: int
+    position: _Position
+    complete: bool = False
+    running: bool = True
+
+
+
+class PreparedDataLoader:
+    """A DataLoader sharded for this rank, shuffled by its own generator, device-placing,
+    end-of-data aware and resumable mid-epoch (module docstring: the rules).
+
+    Built by :func:`prepare_dataloader` (from the run's configuration) or
+    :func:`shard_dataloader`; the arguments mirror ``dataloader_config``.
+
+    Attributes: ``dataset``, ``batch_size`` (the user's), ``sampler`` (the
+    :class:`SeedableRandomSampler` that replaced a RandomSampler, else the user's), ``batch_sampler``
+    (the rebuilt loader's), ``collate_fn``, ``total_batch_size`` (one global batch),
+    ``total_dataset_length``, ``num_processes``/``process_index`` (data-parallel), ``seed``,
+    ``epoch``, ``end_of_dataloader``/``remainder`` (this loader's flags), ``base_dataloader`` (the
+    user's DataLoader, to which any other attribute is delegated). ``len()`` is this rank's
+    batches per epoch. Methods: ``set_epoch``, ``state_dict``, ``load_state_dict``.
+    """
+
+    def __init__(
+        self,
+        dataloader: DataLoader,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        device: torch.device | str | None = None,
+        non_blocking: bool = False,
+        split_batches: bool = False,
+        even_batches: bool = True,
+        dispatch_batches: bool | None = None,
+        seed: int | None = None,
+        use_configured_sampler: bool = False,
+        collectives: Collectives | None = None,
+        is_source: bool | None = None,
+        gradient_state: GradientState | None = None,
+    ) -> None:
+        if not isinstance(dataloader, DataLoader):
+            raise TypeError(f"prepare(): expected a torch.utils.data.DataLoader, got {type(dataloader).__name__}")
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not a valid rank of {num_replicas} data-parallel processes")
+        self.base_dataloader = dataloader
+        self.dataset = dataloader.dataset
+        self.device = torch.device(device) if device is not None else None
+        self.non_blocking = non_blocking
+        self.num_processes = num_replicas
+        self.process_index = rank
+        self.split_batches = split_batches
+        self._even_batches = bool(even_batches)
+        self.collectives = collectives
+        self.gradient_state = gradient_state if gradient_state is not None else GradientState()
+        #: Set while this loader's last batch of a pass is being processed.
+        self.end_of_dataloader = False
+        #: Real samples of the final global batch (on the last batch), else -1.
+        self.remainder = -1
+        #: The user's DataLoader's ``batch_size`` (per rank unless ``split_batches``).
+        self.batch_size = dataloader.batch_size
+
+        world = num_replicas
+        iterable = isinstance(self.dataset, IterableDataset)
+        user_batch_sampler = dataloader.batch_sampler
+        #: False for ``batch_size=None`` (every sample is a unit, converted, not collated).
+        self._auto_collation = user_batch_sampler is not None
+        sampler = None if iterable else dataloader.sampler
+        batch_size = dataloader.batch_size
+        drop_last = dataloader.drop_last
+        custom_batches: Any = None
+        if not iterable and user_batch_sampler is not None and batch_size is None:
+            if type(user_batch_sampler) is BatchSampler:  # an explicit torch BatchSampler: unpack it
+                sampler, batch_size = user_batch_sampler.sampler, user_batch_sampler.batch_size
+                drop_last = user_batch_sampler.drop_last
+            else:
+                custom_batches = user_batch_sampler
+                drop_last = bool(getattr(user_batch_sampler, "drop_last", False))
+        self.drop_last = drop_last
+        self._kind = "iterable" if iterable else ("batches" if custom_batches is not None else "index")
+        self._custom_batches = custom_batches
+
+        per_rank: int | None
+        if self._kind == "batches":
+            per_rank = None
+        else:
+            unit = batch_size if self._auto_collation else 1
+            assert unit is not None
+            if split_batches:
+                if not self._auto_collation:
+                    raise ValueError("split_batches=True needs a DataLoader with a batch size (not batch_size=None)")
+                if unit % world:
+                    raise ValueError(
+                        f"split_batches=True: the batch size ({unit}) must be a multiple of the number of "
+                        f"data-parallel processes ({world}) to split every batch into {world} equal parts"
+                    )
+                per_rank = unit // world
+            else:
+                per_rank = unit
+        # Padding only ever serves to keep several ranks in step: one process never repeats a sample.
+        self._layout = Layout(world, rank, per_rank, split_batches, even_batches and world > 1, drop_last)
+
+        # Seed: config > the user's generator > one draw from the global RNG (module docstring).
+        #: Where the seed came from: "config" (data_seed), "generator" (the user's) or "global_rng" (drawn).
+        self.seed_source = "config"
+        if seed is None:
+            user_generator = dataloader.generator or getattr(sampler, "generator", None)
+            if user_generator is not None:
+                seed = int(user_generator.initial_seed())
+                self.seed_source = "generator"
+            else:
+                self.seed_source = "global_rng"
+                # Broadcast even when world == 1: ranks outside data parallelism (tensor/pipeline
+                # parallel peers) read the same data and must shuffle it the same way.
+                seed = derive_seed(collectives)
+        self._seed = int(seed)
+
+        self._sampler_kind = "none"
+        if self._kind == "index":
+            if type(sampler) is RandomSampler and not use_configured_sampler:
+                sampler = SeedableRandomSampler(
+                    self.dataset, seed=self._seed, replacement=sampler.replacement, num_samples=sampler._num_samples
+                )
+                self._sampler_kind = "seedable"
+            elif type(sampler) is SequentialSampler:
+                self._sampler_kind = "sequential"
+            else:
+                self._sampler_kind = "custom"
+        self.sampler = sampler
+
+        if dispatch_batches is None:
+            dispatch_batches = iterable
+        self.dispatch_batches = bool(dispatch_batches) and world > 1
+        if self.dispatch_batches and (collectives is None or not collectives.active):
+            raise ValueError(
+                "dispatch_batches=True needs an initialised process group (the run's collectives) to send "
+                "every process its batches; set dataloader_config.dispatch_batches=false to let every "
+                "process read the data itself"
+            )
+        self._is_source = (rank == 0) if is_source is None else is_source
+
+        self._loader_kwargs: dict[str, Any] = {k: getattr(dataloader, k) for k in LOADER_KWARGS}
+        if dataloader.num_workers > 0:
+            self._loader_kwargs["prefetch_factor"] = dataloader.prefetch_factor
+            self._loader_kwargs["multiprocessing_context"] = dataloader.multiprocessing_context
+        if hasattr(dataloader, "in_order"):
+            self._loader_kwargs["in_order"] = dataloader.in_order
+        self._worker_generator = torch.Generator()
+        self._map_loader: DataLoader | None = None
+        self._plan_sampler: PlanBatchSampler | None = None
+        self._iterable_loader: DataLoader | None = None
+
+        self._next_epoch = 0
+        self._pending: _Position | None = None
+        self._pass: _Pass | None = None
+        self._len_skip = 0
+        #: The loader a skip_first_batches copy was made from: the copy's pass is that loader's next pass.
+        self._origin: PreparedDataLoader | None = None
+
+    # -- attributes ------------------------------------------------------------------------
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass in progress, else of the next pass."""
+        if self._pass is not None and self._pass.running:
+            return self._pass.epoch
+        return self._next_epoch
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """Samples in one global batch (all ranks together)."""
+        g = self._layout.global_size
+        if g is not None:
+            return g
+        size = getattr(self._custom_batches, "batch_size", None)
+        return None if size is None else size * (1 if self.split_batches else self.num_processes)
+
+    @property
+    def total_dataset_length(self) -> int:
+        if hasattr(self.dataset, "total_length"):
+            return self.dataset.total_length
+        return len(self.dataset)
+
+    @property
+    def collate_fn(self) -> Any:
+        return self.base_dataloader.collate_fn
+
+    @property
+    def batch_sampler(self) -> Any:
+        """The rebuilt loader's batch sampler (map-style data; the user's for iterables)."""
+        if self._kind == "iterable":
+            return self.base_dataloader.batch_sampler
+        return self._plan()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "base_dataloader" or name.startswith("__"):  # unset during unpickling / copying
+            raise AttributeError(name)
+        return getattr(self.base_dataloader, name)
+
+    @property
+    def even_batches(self) -> bool:
+        """Whether ranks get equally many, equally sized batches (padding from the epoch start);
+        settable between passes (``Accelerator.join_uneven_inputs(even_batches=False)``)."""
+        return self._even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self._even_batches = bool(value)
+        if "_layout" in self.__dict__:
+            self._layout = attrs.evolve(self._layout, even=self._even_batches and self._layout.world > 1)
+
+    def __len__(self) -> int:
+        """This rank's batches in one epoch (minus the batches a pending
+        :func:`skip_first_batches` will skip, as in Accelerate)."""
+        return max(0, self._batches_per_epoch() - self._len_skip)
+
+    def _epoch_length(self) -> int:
+        return len(self.dataset) if self._kind == "iterable" else len(self.sampler)
+
+    def _batches_per_epoch(self) -> int:
+        layout = self._layout
+        world, rank = layout.world, layout.rank
+        if self._kind == "batches":
+            nb = len(self._custom_batches)
+            if layout.split:
+                return nb
+            q, k = divmod(nb, world)
+            return q + (1 if k and not layout.drop_last and (layout.even or rank < k) else 0)
+        n, b = self._epoch_length(), layout.per_rank
+        assert b is not None
+        q, m = divmod(n, b * world)
+        return q + (1 if m and not layout.drop_last and (layout.even or rank * b < m) else 0)
+
+    # -- epochs and position ---------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next pass runs (a pending resume in that same epoch is kept)."""
+        if self._pending is not None and self._next_epoch != epoch:
+            self._pending = None
+        self._next_epoch = int(epoch)
+        if self._pass is not None and not self._pass.running:
+            self._pass = None
+
+    def _current(self) -> tuple[int, _Position]:
+        p = self._pass
+        if p is not None and not p.complete:
+            return p.epoch, p.position
+        return self._next_epoch, self._pending or _Position()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next pass starts if this state is loaded (module docstring)."""
+        epoch, pos = self._current()
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "batches_yielded": pos.batches,
+            "samples_yielded": pos.samples,
+            "global_batches_yielded": pos.global_batches,
+            "seed": self._seed,
+            "world_size": self.num_processes,
+            "total_batch_size": self.total_batch_size,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Make the next pass resume exactly at ``state_dict``'s position (and seed)."""
+        self._seed = int(state_dict["seed"])
+        if isinstance(self.sampler, SeedableRandomSampler):
+            self.sampler.seed = self._seed
+        self._next_epoch = int(state_dict["epoch"])
+        self._pending = _Position(
+            samples=int(state_dict.get("samples_yielded", 0)),
+            batches=int(state_dict.get("batches_yielded", 0)),
+            global_batches=int(state_dict.get("global_batches_yielded", 0)),
+        )
+        self._pass = None
+        self._len_skip = 0
+
+    def _skipped(self, num_batches: int) -> PreparedDataLoader:
+        """A copy whose next pass starts ``num_batches`` of this rank's batches into the epoch."""
+        clone = copy.copy(self)
+        clone._map_loader = clone._plan_sampler = clone._iterable_loader = None
+        clone._worker_generator = torch.Generator()
+        clone._pass = None
+        if isinstance(self.sampler, SeedableRandomSampler):  # its seed may be reloaded: not shared
+            clone.sampler = copy.copy(self.sampler)
+        layout = self._layout
+        if self._kind == "batches":
+            global_batches = num_batches if layout.split else num_batches * layout.world
+            samples = 0  # computed from the batch list when the pass starts
+        else:
+            assert layout.global_size is not None and layout.per_rank is not None
+            samples = num_batches * layout.global_size
+            global_batches = num_batches * layout.world
+        clone._pending = _Position(samples=samples, batches=num_batches, global_batches=global_batches)
+        clone._len_skip = num_batches
+        clone._origin = self._origin or self
+        return clone
+
+    # -- building the torch loaders ----------------------------------------------------------
+
+    def _plan(self) -> PlanBatchSampler:
+        if self._plan_sampler is None:
+            self._plan_sampler = PlanBatchSampler(self, single=not self._auto_collation)
+        return self._plan_sampler
+
+    def _rebuilt_map_loader(self) -> DataLoader:
+        if self._map_loader is None:
+            plan = self._plan()
+            common = dict(
+                collate_fn=self.base_dataloader.collate_fn, generator=self._worker_generator, **self._loader_kwargs
+            )
+            if self._auto_collation:
+                self._map_loader = DataLoader(self.dataset, batch_sampler=plan, **common)
+            else:
+                self._map_loader = DataLoader(self.dataset, batch_size=None, sampler=plan, **common)
+        return self._map_loader
+
+    def _rebuilt_iterable_loader(self, start: int, slots: Sequence[int]) -> DataLoader:
+        persistent = self._loader_kwargs["persistent_workers"]
+        if persistent and start == 0 and self._iterable_loader is not None:
+            return self._iterable_loader
+        layout = self._layout
+        assert layout.per_rank is not None
+        shard = ShardedIterable(
+            self.dataset,
+            per_rank=layout.per_rank,
+            world=layout.world,
+            slots=slots,
+            even=layout.even,
+            drop_last=layout.drop_last,
+            start=start,
+        )
+        loader = DataLoader(
+            shard,
+            batch_size=layout.per_rank if self._auto_collation else None,
+            collate_fn=TaggedCollate(self.base_dataloader.collate_fn, self._auto_collation),
+            generator=self._worker_generator,
+            **self._loader_kwargs,
+        )
+        if persistent and start == 0:
+            self._iterable_loader = loader
+        return loader
+
+    # -- epoch plans -----------------------------------------------------------------------------
+
+    def _epoch_order(self, epoch: int) -> tuple[Any, int]:
+        sampler = self.sampler
+        if self._sampler_kind == "seedable":
+            order = sampler.order(epoch)
+            return order, len(order)
+        if self._sampler_kind == "sequential":
+            n = len(sampler)
+            return range(n), n
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        with lent_generator([sampler], epoch_seed(self._seed, epoch)):
+            order = list(sampler)
+        return order, len(order)
+
+    def _epoch_batches(self, epoch: int) -> list[list[Any]]:
+        batches = self._custom_batches
+        if hasattr(batches, "set_epoch"):
+            batches.set_epoch(epoch)
+        with lent_generator([batches, getattr(batches, "sampler", None)], epoch_seed(self._seed, epoch)):
+            return [list(batch) for batch in batches]
+
+    def _map_source(self, p: _Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
+        """(batch, meta) of the map-style pass, for the given slots, from the rebuilt loader."""
+        if self._kind == "batches":
+            batches = self._epoch_batches(p.epoch)
+            start = p.position.global_batches
+            p.position.samples = sum(len(batch) for batch in batches[:start])
+            rounds = batch_rounds(batches, start, self._layout)
+        else:
+            order, n = self._epoch_order(p.epoch)
+            rounds = index_rounds(order, n, p.position.samples, self._layout)
+
+        def plan() -> Iterator[tuple[list[Any], BatchMeta]]:
+            for rnd in rounds:
+                for slot in slots:
+                    part = rnd.parts[slot]
+                    if part is not None:
+                        yield part, BatchMeta(rnd.index, rnd.real_samples, rnd.real_batches, slot, rnd.nparts)
+
+        sampler = self._plan()
+        sampler.source = plan()
+        sampler.fifo = fifo = collections.deque()
+        loader = self._rebuilt_map_loader()
+        for batch in loader:
+            yield batch, fifo.popleft()
+
+    def _iterable_source(self, p: _Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
+        loader = self._rebuilt_iterable_loader(p.position.samples, slots)
+        for batch, tag in loader:
+            yield batch, BatchMeta(*tag)
+
+    def _source(self, p: _Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
+        self._worker_generator.manual_seed(worker_seed(self._seed, p.epoch))
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(p.epoch)
+        if self._kind == "iterable":
+            return self._iterable_source(p, slots)
+        return self._map_source(p, slots)
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        assert self.collectives is not None
+        self.collectives.broadcast_object_list([message], src=0)
+
+    def _receive(self) -> tuple[Any, ...]:
+        assert self.collectives is not None
+        return self.collectives.broadcast_object_list([None], src=0)[0]
+
+    def _source_rounds(self, p: _Pass) -> Iterator[tuple[list[Any], BatchMeta]]:
+        world = self._layout.world
+        parts: list[Any] = [None] * world
+        count = 0
+        for batch, meta in self._source(p, range(world)):
+            parts[meta.slot] = batch
+            count += 1
+            if count == meta.nparts:
+                yield parts, meta
+                parts, count = [None] * world, 0
+
+    def _dispatched(self, p: _Pass) -> Iterator[tuple[Any, BatchMeta]]:
+        """This rank's batches: rank 0 reads every rank's and broadcasts each global batch.
+
+        One message per global batch, ``("batch", parts, meta, final)``; rank 0 reads one global
+        batch ahead to set ``final``, so every rank receives exactly the same messages and stops
+        after the final one (no trailing collective to forget); ``("end",)`` for an empty pass;
+        ``("error", text)`` when reading failed on rank 0, so the others raise instead of hanging.
+        """
+        rank = self._layout.rank
+        if not self._is_source:
+            while True:
+                message = self._receive()
+                if message[0] == "end":
+                    return
+                if message[0] == "error":
+                    raise RuntimeError(f"the data-loading process (rank 0) failed; its error:\n{message[1]}")
+                _, parts, meta, final = message
+                mine = parts[rank]
+                if mine is None:
+                    return
+                yield mine, attrs.evolve(meta, slot=rank)
+                if final:
+                    return
+        rounds = self._source_rounds(p)
+        try:
+            current = next(rounds, None)
+        except Exception as exc:
+            self._send(("error", f"{type(exc).__name__}: {exc}"))
+            raise
+        if current is None:
+            self._send(("end",))
+            return
+        while True:
+            try:
+                following = next(rounds, None)
+            except Exception as exc:
+                self._send(("error", f"{type(exc).__name__}: {exc}"))
+                raise
+            parts, meta = current
+            self._send(("batch", parts, meta, following is None))
+            if parts[rank] is None:
+                return
+            yield parts[rank], attrs.evolve(meta, slot=rank)
+            if following is None:
+                return
+            current = following
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def _placed(self, item: tuple[Any, BatchMeta] | None) -> tuple[Any, BatchMeta] | None:
+        if item is None or self.device is None:
+            return item
+        return send_to_device(item[0], self.device, self.non_blocking), item[1]
+
+    def _begin_pass(self) -> _Pass:
+        epoch = self._next_epoch
+        start = self._pending or _Position()
+        self._pending = None
+        self._next_epoch = epoch + 1
+        self._pass = _Pass(epoch=epoch, position=attrs.evolve(start))
+        origin = self._origin
+        if origin is not None and origin._next_epoch == epoch and not (origin._pass and origin._pass.running):
+            # Accelerate's resume pattern: load_state, then iterate skip_first_batches(loader, n) for the rest of
+            # the epoch. That pass *is* the original loader's next one: the original shares it (so save_state
+            # records the copy's position) and then goes on with the following epoch, not the restored remainder.
+            origin._pass, origin._next_epoch, origin._pending = self._pass, epoch + 1, None
+        if isinstance(self.sampler, SeedableRandomSampler):
+            self.sampler.set_epoch(epoch)
+        return self._pass
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
+        p = self._begin_pass()
+        state = self.gradient_state
+        self.end_of_dataloader, self.remainder = False, -1
+        state.enter_dataloader(self)
+        items: Iterator[tuple[Any, BatchMeta]] | None = None
+        try:
+            items = self._dispatched(p) if self.dispatch_batches else self._source(p, (self._layout.rank,))
+            # Batches are placed as soon as they are read, so with non_blocking the copy of the
+            # batch read ahead overlaps the step on the current one.
+            current = self._placed(next(items, None))
+            while current is not None:
+                following = self._placed(next(items, None))  # one ahead: is `current` the last?
+                batch, meta = current
+                position = p.position
+                position.samples += meta.real_samples
+                position.global_batches += meta.real_batches
+                position.batches += 1
+                if following is None:
+                    p.complete = True
+                    self._len_skip = 0
+                    self.end_of_dataloader, self.remainder = True, meta.real_samples
+                    state.end_of_dataloader, state.remainder = True, meta.real_samples
+                yield batch
+                if state.step_boundary is not None:  # preemption armed: the step that used `batch` ended
+                    state.step_boundary(state.sync_gradients)
+                current = following
+            p.complete = True
+            self._len_skip = 0
+        finally:
+            p.running = False
+            self.end_of_dataloader, self.remainder = False, -1
+            if items is not None and hasattr(items, "close"):
+                items.close()
+            state.exit_dataloader(self)
+            outer = state.active_dataloaders[-1] if state.active_dataloaders else None
+            state.end_of_dataloader = bool(getattr(outer, "end_of_dataloader", False))
+            state.remainder = int(getattr(outer, "remainder", -1))
+
+
+__all__ = ["PreparedDataLoader"]

@@ -1,0 +1,241 @@
+"""The plan of a pass: an epoch's index order (or batch list, or sample stream) cut into global
+batches and each rank's part of them, from a start position (the sharding rules of
+:mod:`torchrig.data`). Pure bookkeeping on indices: no sample is loaded here."""
+
+from __future__ import annotations
+
+import collections
+import math
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch.utils.data import IterableDataset, Sampler
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchrig.data.loader import PreparedDataLoader
+
+
+LOADER_KWARGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "persistent_workers")
+"""The DataLoader arguments a rebuilt loader takes over from the user's."""
+
+
+
+
+@attrs.frozen
+class Layout:
+    world: int
+    rank: int
+    #: Samples per rank batch (``b``); None for a custom batch sampler (sizes vary).
+    per_rank: int | None
+    split: bool
+    even: bool
+    drop_last: bool
+
+    @property
+    def global_size(self) -> int | None:
+        return None if self.per_rank is None else self.per_rank * self.world
+
+
+@attrs.frozen
+class BatchMeta:
+    """What the loader needs to know about one rank batch."""
+
+    #: Index of its global batch within this pass.
+    round: int
+    #: Real (not repeated) samples in that global batch, all ranks together.
+    real_samples: int
+    #: Real per-rank batches in that global batch (a custom batch sampler's resume unit).
+    real_batches: int
+    #: Which rank the batch is for.
+    slot: int
+    #: How many ranks get a batch of that global batch.
+    nparts: int
+
+
+@attrs.frozen
+class GlobalBatch:
+    index: int
+    parts: list[list[Any] | None]
+    real_samples: int
+    real_batches: int
+
+    @property
+    def nparts(self) -> int:
+        return sum(part is not None for part in self.parts)
+
+
+def _take(order: Any, start: int, stop: int) -> list[Any]:
+    """``order[start:stop]`` as a list (order: tensor, range or list)."""
+    if stop <= start:
+        return []
+    chunk = order[start:stop]
+    return chunk.tolist() if isinstance(chunk, torch.Tensor) else list(chunk)
+
+
+def _positions(order: Any, n: int, start: int, stop: int) -> list[Any]:
+    """Positions ``[start, stop)`` of the epoch, positions ``>= n`` looping back to its start."""
+    out = _take(order, start, min(stop, n))
+    pos = max(start, n)
+    while pos < stop:
+        lo = (pos - n) % n
+        hi = min(n, lo + (stop - pos))
+        out += _take(order, lo, hi)
+        pos += hi - lo
+    return out
+
+
+def index_rounds(order: Any, n: int, start: int, layout: Layout) -> Iterator[GlobalBatch]:
+    """The global batches of an index order from global position ``start``."""
+    b, world = layout.per_rank, layout.world
+    assert b is not None
+    g = b * world
+    pos, index = start, 0
+    while pos < n:
+        real = min(g, n - pos)
+        if real < g and layout.drop_last:
+            return
+        pad = real < g and layout.even
+        parts: list[list[Any] | None] = []
+        for slot in range(world):
+            lo, hi = pos + slot * b, pos + (slot + 1) * b
+            if pad:
+                parts.append(_positions(order, n, lo, hi))
+            else:
+                part = _take(order, lo, min(hi, n))
+                parts.append(part or None)
+        yield GlobalBatch(index, parts, real, math.ceil(real / b))
+        pos += real
+        index += 1
+
+
+def batch_rounds(batches: Sequence[Sequence[Any]], start: int, layout: Layout) -> Iterator[GlobalBatch]:
+    """The global batches of a custom batch sampler's batch list from global batch ``start``."""
+    world, nb = layout.world, len(batches)
+    if layout.split:
+        for index, i in enumerate(range(start, nb)):
+            batch = list(batches[i])
+            if len(batch) % world:
+                raise ValueError(
+                    f"split_batches=True: a batch of {len(batch)} samples from the batch sampler cannot be split "
+                    f"evenly across {world} processes; its batches must have a multiple of {world} samples"
+                )
+            k = len(batch) // world
+            yield GlobalBatch(index, [batch[s * k : (s + 1) * k] for s in range(world)], len(batch), 1)
+        return
+    pos, index = start, 0
+    while pos < nb:
+        take = min(world, nb - pos)
+        if take < world and layout.drop_last:
+            return
+        real = [list(batch) for batch in batches[pos : pos + take]]
+        parts: list[list[Any] | None] = list(real)
+        if take < world:
+            if layout.even:
+                parts += [list(batches[j % nb]) for j in range(world - take)]
+            else:
+                parts += [None] * (world - take)
+        yield GlobalBatch(index, parts, sum(len(batch) for batch in real), take)
+        pos += take
+        index += 1
+
+
+class PlanBatchSampler(Sampler[list[Any]]):
+    """The batch sampler of the rebuilt DataLoader: yields the index lists of the current pass.
+
+    It runs in the main process (DataLoader workers only receive indices), so the loader can
+    point it at each pass's plan, and it records each batch's :class:`BatchMeta` in a FIFO that the
+    loader pops as batches come out (DataLoader keeps batch order).
+    """
+
+    def __init__(self, owner: PreparedDataLoader, single: bool = False) -> None:
+        # A weak reference: a cycle would leave the rebuilt loader (and its persistent worker
+        # processes) to the garbage collector, whose finalisation order makes worker shutdown
+        # wait out torch's 5 s join timeout per worker.
+        self._owner = weakref.ref(owner)
+        self.single = single
+        self.source: Iterator[tuple[list[Any], BatchMeta]] = iter(())
+        self.fifo: collections.deque[BatchMeta] = collections.deque()
+
+    def __iter__(self) -> Iterator[Any]:
+        source, fifo, single = self.source, self.fifo, self.single
+        for indices, meta in source:
+            fifo.append(meta)
+            yield indices[0] if single else indices
+
+    def __len__(self) -> int:
+        owner = self._owner()
+        return 0 if owner is None else len(owner)
+
+
+
+
+class ShardedIterable(IterableDataset):
+    """This rank's slice (``slots=(rank,)``), or every rank's slices in order (dispatch source),
+    of every chunk of ``per_rank * world`` samples of ``dataset``, each tagged with its metadata.
+
+    The first ``start`` samples are read and discarded (resume by replay); the first chunk's
+    worth of samples of the stream is kept to complete a short final chunk (``even``).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        per_rank: int,
+        world: int,
+        slots: Sequence[int],
+        even: bool,
+        drop_last: bool,
+        start: int = 0,
+    ) -> None:
+        self.dataset = dataset
+        self.per_rank, self.world, self.slots = per_rank, world, tuple(slots)
+        self.even, self.drop_last, self.start = even, drop_last, start
+
+    def _emit(self, chunk: list[Any], real: int, index: int) -> Iterator[tuple[Any, tuple[int, ...]]]:
+        b = self.per_rank
+        nparts = min(self.world, math.ceil(len(chunk) / b))
+        for slot in self.slots:
+            tag = (index, real, math.ceil(real / b), slot, nparts)
+            for sample in chunk[slot * b : (slot + 1) * b]:
+                yield sample, tag
+
+    def __iter__(self) -> Iterator[tuple[Any, tuple[int, ...]]]:
+        g = self.per_rank * self.world
+        first: list[Any] = []
+        chunk: list[Any] = []
+        index = 0
+        for position, sample in enumerate(self.dataset):
+            if len(first) < g:
+                first.append(sample)
+            if position < self.start:
+                continue
+            chunk.append(sample)
+            if len(chunk) == g:
+                yield from self._emit(chunk, g, index)
+                chunk, index = [], index + 1
+        if chunk and not self.drop_last:
+            real = len(chunk)
+            if self.even:
+                chunk += [first[i % len(first)] for i in range(g - real)]
+            yield from self._emit(chunk, real, index)
+
+
+class TaggedCollate:
+    """Strips the tags off the samples, collates them with the user's ``collate_fn`` (in the
+    worker, as usual) and returns ``(batch, tag)``."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any], auto_collation: bool) -> None:
+        self.collate_fn, self.auto_collation = collate_fn, auto_collation
+
+    def __call__(self, items: Any) -> tuple[Any, tuple[int, ...]]:
+        if not self.auto_collation:
+            sample, tag = items
+            return self.collate_fn(sample), tag
+        return self.collate_fn([sample for sample, _ in items]), items[0][1]
+
+
+__all__ = ["LOADER_KWARGS", "BatchMeta", "GlobalBatch", "Layout", "PlanBatchSampler", "ShardedIterable", "TaggedCollate", "batch_rounds", "index_rounds"]
