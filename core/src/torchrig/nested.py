@@ -55,6 +55,10 @@ def send_to_device(data: Any, device: torch.device | str | int, non_blocking: bo
     ``.to`` (HF ``BatchEncoding``) move themselves; ``skip_keys`` of a dict stay where they are."""
     if isinstance(data, torch.Tensor):
         return data.to(device, non_blocking=non_blocking)
+    kind = type(data)
+    if kind is tuple or kind is list:  # the common batch, once per step: no type dispatch per item
+        return kind([v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor)
+                     else send_to_device(v, device, non_blocking, skip_keys) for v in data])
     if isinstance(data, (list, tuple)):
         return honor_type(data, (send_to_device(v, device, non_blocking, skip_keys) for v in data))
     to = getattr(data, "to", None)

@@ -495,7 +495,7 @@ class PreparedDataLoader:
                 mine = parts[rank]
                 if mine is None:
                     return
-                yield mine, attrs.evolve(meta, slot=rank)
+                yield mine, meta._replace(slot=rank)
                 if final:
                     return
         rounds = self._source_rounds(p)
@@ -517,17 +517,12 @@ class PreparedDataLoader:
             self._send(("batch", parts, meta, following is None))
             if parts[rank] is None:
                 return
-            yield parts[rank], attrs.evolve(meta, slot=rank)
+            yield parts[rank], meta._replace(slot=rank)
             if following is None:
                 return
             current = following
 
     # -- iteration ---------------------------------------------------------------------------
-
-    def _placed(self, item: tuple[Any, BatchMeta] | None) -> tuple[Any, BatchMeta] | None:
-        if item is None or self.device is None:
-            return item
-        return send_to_device(item[0], self.device, self.non_blocking), item[1]
 
     def _begin_pass(self) -> _Pass:
         epoch = self._next_epoch
@@ -556,11 +551,16 @@ class PreparedDataLoader:
         items: Iterator[tuple[Any, BatchMeta]] | None = None
         try:
             items = self._dispatched(p) if self.dispatch_batches else self._source(p, (self._layout.rank,))
+            device, non_blocking = self.device, self.non_blocking
             # Batches are placed as soon as they are read, so with non_blocking the copy of the
             # batch read ahead overlaps the step on the current one.
-            current = self._placed(next(items, None))
+            current = next(items, None)
+            if current is not None and device is not None:
+                current = send_to_device(current[0], device, non_blocking), current[1]
             while current is not None:
-                following = self._placed(next(items, None))  # one ahead: is `current` the last?
+                following = next(items, None)  # one ahead: is `current` the last?
+                if following is not None and device is not None:
+                    following = send_to_device(following[0], device, non_blocking), following[1]
                 batch, meta = current
                 position = p.position
                 position.samples += meta.real_samples

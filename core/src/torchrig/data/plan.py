@@ -8,7 +8,7 @@ import collections
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 import torch
@@ -39,9 +39,8 @@ class Layout:
         return None if self.per_rank is None else self.per_rank * self.world
 
 
-@attrs.frozen
-class BatchMeta:
-    """What the loader needs to know about one rank batch."""
+class BatchMeta(NamedTuple):
+    """What the loader needs to know about one rank batch (a tuple: one is made per batch)."""
 
     #: Index of its global batch within this pass.
     round: int
@@ -55,16 +54,18 @@ class BatchMeta:
     nparts: int
 
 
-@attrs.frozen
-class GlobalBatch:
+class GlobalBatch(NamedTuple):
+    """One global batch of the plan: each rank's part (None: that rank gets no batch)."""
+
     index: int
     parts: list[list[Any] | None]
     real_samples: int
     real_batches: int
+    nparts: int
 
-    @property
-    def nparts(self) -> int:
-        return sum(part is not None for part in self.parts)
+
+def global_batch(index: int, parts: list[list[Any] | None], real_samples: int, real_batches: int) -> GlobalBatch:
+    return GlobalBatch(index, parts, real_samples, real_batches, len(parts) - parts.count(None))
 
 
 def _take(order: Any, start: int, stop: int) -> list[Any]:
@@ -106,7 +107,7 @@ def index_rounds(order: Any, n: int, start: int, layout: Layout) -> Iterator[Glo
             else:
                 part = _take(order, lo, min(hi, n))
                 parts.append(part or None)
-        yield GlobalBatch(index, parts, real, math.ceil(real / b))
+        yield global_batch(index, parts, real, math.ceil(real / b))
         pos += real
         index += 1
 
@@ -123,7 +124,7 @@ def batch_rounds(batches: Sequence[Sequence[Any]], start: int, layout: Layout) -
                     f"evenly across {world} processes; its batches must have a multiple of {world} samples"
                 )
             k = len(batch) // world
-            yield GlobalBatch(index, [batch[s * k : (s + 1) * k] for s in range(world)], len(batch), 1)
+            yield global_batch(index, [batch[s * k : (s + 1) * k] for s in range(world)], len(batch), 1)
         return
     pos, index = start, 0
     while pos < nb:
@@ -137,7 +138,7 @@ def batch_rounds(batches: Sequence[Sequence[Any]], start: int, layout: Layout) -
                 parts += [list(batches[j % nb]) for j in range(world - take)]
             else:
                 parts += [None] * (world - take)
-        yield GlobalBatch(index, parts, sum(len(batch) for batch in real), take)
+        yield global_batch(index, parts, sum(len(batch) for batch in real), take)
         pos += take
         index += 1
 
@@ -238,4 +239,4 @@ class TaggedCollate:
         return self.collate_fn([sample for sample, _ in items]), items[0][1]
 
 
-__all__ = ["LOADER_KWARGS", "BatchMeta", "GlobalBatch", "Layout", "PlanBatchSampler", "ShardedIterable", "TaggedCollate", "batch_rounds", "index_rounds"]
+__all__ = ["LOADER_KWARGS", "BatchMeta", "GlobalBatch", "Layout", "global_batch", "PlanBatchSampler", "ShardedIterable", "TaggedCollate", "batch_rounds", "index_rounds"]
