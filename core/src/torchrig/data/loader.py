@@ -20,8 +20,8 @@ from torchrig.data.plan import (
     PlanBatchSampler,
     ShardedIterable,
     TaggedCollate,
-    batch_rounds,
-    index_rounds,
+    batch_parts,
+    index_parts,
 )
 from torchrig.data.seeding import (
     STATE_VERSION,
@@ -417,29 +417,20 @@ class PreparedDataLoader:
             return [list(batch) for batch in batches]
 
     def _map_source(self, p: _Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
-        """(batch, meta) of the map-style pass, for the given slots, from the rebuilt loader."""
+        """(batch, meta) of the map-style pass, for the given slots, from the rebuilt loader: the
+        plan records each batch's meta as the loader takes its indices; they pair up in order."""
+        fifo: collections.deque[BatchMeta] = collections.deque()
         if self._kind == "batches":
             batches = self._epoch_batches(p.epoch)
             start = p.position.global_batches
             p.position.samples = sum(len(batch) for batch in batches[:start])
-            rounds = batch_rounds(batches, start, self._layout)
+            parts = batch_parts(batches, start, self._layout, slots, fifo.append)
         else:
             order, n = self._epoch_order(p.epoch)
-            rounds = index_rounds(order, n, p.position.samples, self._layout)
-
-        def plan() -> Iterator[tuple[list[Any], BatchMeta]]:
-            for rnd in rounds:
-                for slot in slots:
-                    part = rnd.parts[slot]
-                    if part is not None:
-                        yield part, BatchMeta(rnd.index, rnd.real_samples, rnd.real_batches, slot, rnd.nparts)
-
-        sampler = self._plan()
-        sampler.source = plan()
-        sampler.fifo = fifo = collections.deque()
-        loader = self._rebuilt_map_loader()
-        for batch in loader:
-            yield batch, fifo.popleft()
+            parts = index_parts(order, n, p.position.samples, self._layout, slots, fifo.append)
+        self._plan().source = parts
+        # C iterators only: no Python frame per batch between the torch loader and the pass.
+        return zip(iter(self._rebuilt_map_loader()), iter(fifo.popleft, None))
 
     def _iterable_source(self, p: _Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
         loader = self._rebuilt_iterable_loader(p.position.samples, slots)

@@ -4,8 +4,8 @@ batches and each rank's part of them, from a start position (the sharding rules 
 
 from __future__ import annotations
 
-import collections
 import math
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -54,26 +54,12 @@ class BatchMeta(NamedTuple):
     nparts: int
 
 
-class GlobalBatch(NamedTuple):
-    """One global batch of the plan: each rank's part (None: that rank gets no batch)."""
-
-    index: int
-    parts: list[list[Any] | None]
-    real_samples: int
-    real_batches: int
-    nparts: int
-
-
-def global_batch(index: int, parts: list[list[Any] | None], real_samples: int, real_batches: int) -> GlobalBatch:
-    return GlobalBatch(index, parts, real_samples, real_batches, len(parts) - parts.count(None))
-
-
 def _take(order: Any, start: int, stop: int) -> list[Any]:
-    """``order[start:stop]`` as a list (order: tensor, range or list)."""
+    """``order[start:stop]`` as a list (order: list or range)."""
     if stop <= start:
         return []
     chunk = order[start:stop]
-    return chunk.tolist() if isinstance(chunk, torch.Tensor) else list(chunk)
+    return chunk if type(chunk) is list else list(chunk)
 
 
 def _positions(order: Any, n: int, start: int, stop: int) -> list[Any]:
@@ -88,32 +74,52 @@ def _positions(order: Any, n: int, start: int, stop: int) -> list[Any]:
     return out
 
 
-def index_rounds(order: Any, n: int, start: int, layout: Layout) -> Iterator[GlobalBatch]:
-    """The global batches of an index order from global position ``start``."""
+def _tail(order: Any, n: int, pos: int, layout: Layout) -> list[list[Any] | None]:
+    """Every rank's part of the last, incomplete global batch (padded when ``layout.even``)."""
+    b = layout.per_rank
+    assert b is not None
+    parts: list[list[Any] | None] = []
+    for slot in range(layout.world):
+        lo, hi = pos + slot * b, pos + (slot + 1) * b
+        parts.append(_positions(order, n, lo, hi) if layout.even else (_take(order, lo, min(hi, n)) or None))
+    return parts
+
+
+def index_parts(order: Any, n: int, start: int, layout: Layout, slots: Sequence[int],
+                record: Callable[[BatchMeta], None]) -> Iterator[list[Any]]:
+    """The indices of the given ranks' batches of an index order, from global position ``start``;
+    each batch's :class:`BatchMeta` goes to ``record`` first. Per batch: one list slice and one
+    tuple (the hot path of a map-style pass)."""
     b, world = layout.per_rank, layout.world
     assert b is not None
     g = b * world
+    if isinstance(order, torch.Tensor):
+        order = order.tolist()  # once per epoch (as torch's samplers do): list slices are cheap
+    take = order.__getitem__ if type(order) is list else (lambda part: list(order[part]))
     pos, index = start, 0
-    while pos < n:
-        real = min(g, n - pos)
-        if real < g and layout.drop_last:
-            return
-        pad = real < g and layout.even
-        parts: list[list[Any] | None] = []
-        for slot in range(world):
-            lo, hi = pos + slot * b, pos + (slot + 1) * b
-            if pad:
-                parts.append(_positions(order, n, lo, hi))
-            else:
-                part = _take(order, lo, min(hi, n))
-                parts.append(part or None)
-        yield global_batch(index, parts, real, math.ceil(real / b))
-        pos += real
+    while pos + g <= n:  # full global batches
+        for slot in slots:
+            lo = pos + slot * b
+            record(BatchMeta(index, g, world, slot, world))
+            yield take(slice(lo, lo + b))
+        pos += g
         index += 1
+    real = n - pos
+    if real <= 0 or layout.drop_last:
+        return
+    parts = _tail(order, n, pos, layout)
+    nparts, real_batches = len(parts) - parts.count(None), math.ceil(real / b)
+    for slot in slots:
+        part = parts[slot]
+        if part is not None:
+            record(BatchMeta(index, real, real_batches, slot, nparts))
+            yield part
 
 
-def batch_rounds(batches: Sequence[Sequence[Any]], start: int, layout: Layout) -> Iterator[GlobalBatch]:
-    """The global batches of a custom batch sampler's batch list from global batch ``start``."""
+def batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout, slots: Sequence[int],
+                record: Callable[[BatchMeta], None]) -> Iterator[list[Any]]:
+    """The indices of the given ranks' batches of a custom batch sampler's batch list, from global
+    batch ``start``; each batch's :class:`BatchMeta` goes to ``record`` first."""
     world, nb = layout.world, len(batches)
     if layout.split:
         for index, i in enumerate(range(start, nb)):
@@ -124,7 +130,9 @@ def batch_rounds(batches: Sequence[Sequence[Any]], start: int, layout: Layout) -
                     f"evenly across {world} processes; its batches must have a multiple of {world} samples"
                 )
             k = len(batch) // world
-            yield global_batch(index, [batch[s * k : (s + 1) * k] for s in range(world)], len(batch), 1)
+            for slot in slots:
+                record(BatchMeta(index, len(batch), 1, slot, world))
+                yield batch[slot * k : (slot + 1) * k]
         return
     pos, index = start, 0
     while pos < nb:
@@ -138,7 +146,12 @@ def batch_rounds(batches: Sequence[Sequence[Any]], start: int, layout: Layout) -
                 parts += [list(batches[j % nb]) for j in range(world - take)]
             else:
                 parts += [None] * (world - take)
-        yield global_batch(index, parts, sum(len(batch) for batch in real), take)
+        real_samples, nparts = sum(len(batch) for batch in real), len(parts) - parts.count(None)
+        for slot in slots:
+            part = parts[slot]
+            if part is not None:
+                record(BatchMeta(index, real_samples, take, slot, nparts))
+                yield part
         pos += take
         index += 1
 
@@ -147,8 +160,9 @@ class PlanBatchSampler(Sampler[list[Any]]):
     """The batch sampler of the rebuilt DataLoader: yields the index lists of the current pass.
 
     It runs in the main process (DataLoader workers only receive indices), so the loader can
-    point it at each pass's plan, and it records each batch's :class:`BatchMeta` in a FIFO that the
-    loader pops as batches come out (DataLoader keeps batch order).
+    point it at each pass's plan (:func:`index_parts`, :func:`batch_parts`), which records each
+    batch's :class:`BatchMeta` in a FIFO that the loader pops as batches come out (DataLoader
+    keeps batch order). No frame of its own per batch: iterating it is iterating the plan.
     """
 
     def __init__(self, owner: PreparedDataLoader, single: bool = False) -> None:
@@ -157,14 +171,10 @@ class PlanBatchSampler(Sampler[list[Any]]):
         # wait out torch's 5 s join timeout per worker.
         self._owner = weakref.ref(owner)
         self.single = single
-        self.source: Iterator[tuple[list[Any], BatchMeta]] = iter(())
-        self.fifo: collections.deque[BatchMeta] = collections.deque()
+        self.source: Iterator[list[Any]] = iter(())
 
     def __iter__(self) -> Iterator[Any]:
-        source, fifo, single = self.source, self.fifo, self.single
-        for indices, meta in source:
-            fifo.append(meta)
-            yield indices[0] if single else indices
+        return map(operator.itemgetter(0), self.source) if self.single else self.source
 
     def __len__(self) -> int:
         owner = self._owner()
@@ -239,4 +249,4 @@ class TaggedCollate:
         return self.collate_fn([sample for sample, _ in items]), items[0][1]
 
 
-__all__ = ["LOADER_KWARGS", "BatchMeta", "GlobalBatch", "Layout", "global_batch", "PlanBatchSampler", "ShardedIterable", "TaggedCollate", "batch_rounds", "index_rounds"]
+__all__ = ["LOADER_KWARGS", "BatchMeta", "Layout", "PlanBatchSampler", "ShardedIterable", "TaggedCollate", "batch_parts", "index_parts"]
