@@ -36,6 +36,7 @@ BENCHMARKS = [
     (("B7",), "bench_gpu.py", [], ["--quick"]),
     (("B9", "B10"), "bench_sharded_cpu.py", [], ["--trials", "2", "--copies", "1", "--rounds", "2", "--steps", "1"]),
     (("B8",), "bench_gpu_sharded.py", [], ["--quick"]),
+    (("B11",), "bench_data.py", [], ["--rounds", "2", "--cases", "a,d"]),
 ]
 
 
