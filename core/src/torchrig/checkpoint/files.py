@@ -174,8 +174,9 @@ class CheckpointWriter:
         #: CPU buffers of deferred writes, reused by the next asynchronous save (see _snapshot).
         self.staging = staging if staging is not None else {}
         self._records: dict[str, FileRecord] = {}
-        self._pending: list[tuple[str, Callable[[Any], None], Any, str | None]] = []
+        self._pending: list[tuple[str, Callable[[Any, Any], None], Any, str | None, bool]] = []
         self._unsynced: list[str] = []  # written on the fast path, fsynced in records()
+        self._hashing: dict[str, _BackgroundHash | _FollowingHash] = {}  # written on the fast path, hashed in the background
         self._lock = threading.Lock()
 
     # -- writing ---------------------------------------------------------------------------
@@ -200,7 +201,7 @@ class CheckpointWriter:
                 target.write(save(dict(value), metadata=extra))
 
         tensors = {key: value.contiguous() for key, value in tensors.items()}
-        return self._write(name, write, tensors, fault_phase)
+        return self._write(name, write, tensors, fault_phase, sequential=True)
 
     def record(self, name: str) -> FileRecord:
         """Account for a file a library wrote into the directory itself: fsync, size, hash."""
@@ -212,27 +213,42 @@ class CheckpointWriter:
             self._records[record.path] = record
         return record
 
-    def _write(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None) -> str:
+    def _write(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None,
+               sequential: bool = False) -> str:
         name = _normalise(name)
         if self.deferred:
-            self._pending.append((name, write, _snapshot(value, self.staging, name), fault_phase))
+            self._pending.append((name, write, _snapshot(value, self.staging, name), fault_phase, sequential))
         else:
-            self._write_now(name, write, value, fault_phase)
+            self._write_now(name, write, value, fault_phase, sequential)
         return name
 
-    def _write_now(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None) -> None:
+    def _write_now(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None,
+                   sequential: bool = False) -> None:
         path = os.path.join(self.directory, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        if not self.hashing and not (fault_phase and faults.armed(fault_phase, self.rank)):
+        if not (fault_phase and faults.armed(fault_phase, self.rank)):
             # Fast path: the library writes the file itself; its fsync waits for records(), so the
-            # kernel writes this file back while the next one is being written.
+            # kernel writes this file back while the next one is being written. With hashing, a
+            # thread hashes the file from the page cache: following the writer while it writes
+            # when the format is written front to back (safetensors), else once it is written.
+            # Writers and sha256 release the GIL, so hashing runs beside them on another core.
+            follower = _FollowingHash(path) if self.hashing and sequential else None
             try:
                 write(path, value)
             except Exception as exc:  # OSError, torch.save's RuntimeError, safetensors' SafetensorError
+                if follower is not None:
+                    follower.abandon()
                 raise CheckpointError(describe_write_failure(exc, path)) from exc
+            except BaseException:
+                if follower is not None:
+                    follower.abandon()
+                raise
+            hasher = follower.written() if follower is not None else _BackgroundHash(path) if self.hashing else None
             with self._lock:
                 self._records[name] = FileRecord(path=name, size=os.path.getsize(path), rank=self.rank)
                 self._unsynced.append(path)
+                if hasher is not None:
+                    self._hashing[name] = hasher
             return
         try:
             handle = _StreamingFile(path, self.hashing, fault_phase, self.rank)
@@ -259,8 +275,8 @@ class CheckpointWriter:
     def flush(self) -> None:
         """Write what was deferred (the background half of an asynchronous save)."""
         pending, self._pending = self._pending, []
-        for name, write, value, fault_phase in pending:
-            self._write_now(name, write, value, fault_phase)
+        for name, write, value, fault_phase, sequential in pending:
+            self._write_now(name, write, value, fault_phase, sequential)
 
     def records(self, extra: list[str] | None = None) -> list[FileRecord]:
         """Every file this rank wrote, each fsynced by now; ``extra`` names files written
@@ -270,12 +286,114 @@ class CheckpointWriter:
                 self.record(name)
         with self._lock:
             unsynced, self._unsynced = self._unsynced, []
+            hashing, self._hashing = self._hashing, {}
         outcomes = _fsync_all(unsynced)
         for path, exc in zip(unsynced, outcomes):
             if exc is not None:  # a delayed write error (e.g. the disk filled up) surfaces here
                 raise CheckpointError(describe_os_error(exc, path)) from exc
+        digests = {name: hasher.result() for name, hasher in hashing.items()}
         with self._lock:
+            for name, digest in digests.items():
+                self._records[name] = attrs.evolve(self._records[name], sha256=digest)
             return sorted(self._records.values(), key=lambda r: r.path)
+
+
+class _BackgroundHash:
+    """sha256 of a file just written, computed by a thread of its own (inline when the
+    interpreter is shutting down and refuses new threads: the last async save of a script)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._digest: str | None = None
+        self._error: OSError | None = None
+        self._thread: threading.Thread | None = threading.Thread(target=self._run, name="torchrig-hash", daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError:
+            self._thread = None
+            self._run()
+
+    def _run(self) -> None:
+        try:
+            self._digest = hash_file(self.path)
+        except OSError as exc:
+            self._error = exc
+
+    def result(self) -> str:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise CheckpointError(describe_os_error(self._error, self.path)) from self._error
+        assert self._digest is not None
+        return self._digest
+
+
+class _FollowingHash:
+    """sha256 of a file computed while a library writes it front to back: a thread reads behind
+    the writer (from the page cache) until told the write is over. If what it read is not the
+    whole file in the end (a writer that truncated, renamed or rewrote), the file is hashed
+    again from disk — the digest is always of the bytes on disk."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._done = threading.Event()
+        self._digest: str | None = None
+        self._length = -1
+        self._error: OSError | None = None
+        self._handle: Any = None
+        self._thread: threading.Thread | None = None
+        try:
+            with open(path, "wb"):  # exists before the writer opens it, so the reader can follow
+                pass
+            self._handle = open(path, "rb", buffering=0)
+            self._thread = threading.Thread(target=self._run, name="torchrig-hash", daemon=True)
+            self._thread.start()
+        except (OSError, RuntimeError):  # no thread at interpreter shutdown: hashed after the write
+            self._thread = None
+
+    def _run(self) -> None:
+        digest, length = hashlib.sha256(), 0
+        buffer = bytearray(_READ_CHUNK)
+        view = memoryview(buffer)
+        try:
+            while True:
+                finished = self._done.is_set()  # checked before reading: nothing is written after it
+                count = self._handle.readinto(buffer)
+                if count:
+                    digest.update(view[:count])
+                    length += count
+                elif finished:
+                    break
+                else:
+                    self._done.wait(0.002)
+            self._digest, self._length = digest.hexdigest(), length
+        except OSError as exc:
+            self._error = exc
+        finally:
+            view.release()
+            self._handle.close()
+
+    def written(self) -> _FollowingHash:
+        """The writer is done: the reader reads to the end."""
+        self._done.set()
+        return self
+
+    def abandon(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def result(self) -> str:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise CheckpointError(describe_os_error(self._error, self.path)) from self._error
+        try:
+            if self._digest is None or self._length != os.path.getsize(self.path):
+                return hash_file(self.path)
+        except OSError as exc:
+            raise CheckpointError(describe_os_error(exc, self.path)) from exc
+        return self._digest
 
 
 def _fsync_all(paths: list[str]) -> list[OSError | None]:

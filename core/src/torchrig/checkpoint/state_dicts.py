@@ -169,6 +169,27 @@ def read_model_file(directory: str, index: int, location: Any = "cpu") -> dict[s
                       weights_only=True)
 
 
+def load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, copying into the optimizer's live state tensors where
+    they match (shape, dtype, device) — as ``load_state_dict`` does for a module — instead of
+    swapping them for the loaded ones: freeing the old state (hundreds of MB for Adam) would
+    otherwise be most of the time a load takes, and the memory stays where it was."""
+    live = optimizer.state_dict()["state"]  # the same tensor objects the optimizer holds
+    with torch.no_grad():
+        for index, loaded in state.get("state", {}).items():
+            current = live.get(index)
+            if not current:
+                continue
+            for key, value in list(loaded.items()):
+                target = current.get(key)
+                if (isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor) and target is not value
+                        and target.shape == value.shape and target.dtype == value.dtype
+                        and target.device == value.device and target.layout == torch.strided):
+                    target.copy_(value)
+                    loaded[key] = target
+    optimizer.load_state_dict(state)
+
+
 def load_plain_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> None:
     """Load what :func:`save_plain_state` wrote, onto this rank's device."""
     assert run.device is not None
@@ -176,7 +197,7 @@ def load_plain_state(run: RunContext, prepared: Sequence[PreparedModel], directo
     for index, item in enumerate(prepared):
         item.unwrapped.load_state_dict(read_model_file(directory, index, "cpu"))
         for optimizer, stem in zip(item.optimizers, _optimizer_names(index, prepared)):
-            optimizer.load_state_dict(load_structured(directory, stem, location))
+            load_optimizer_state(optimizer, load_structured(directory, stem, location))
 
 
-__all__ = ["ALIASES_KEY", "load_plain_state", "load_structured", "read_model_file", "save_plain_state", "save_structured", "split_aliases"]
+__all__ = ["ALIASES_KEY", "load_optimizer_state", "load_plain_state", "load_structured", "read_model_file", "save_plain_state", "save_structured", "split_aliases"]
