@@ -475,7 +475,7 @@ def test_a_restart_gets_a_fresh_master_port_and_succeeds(tmp_path, process_guard
 
 
 def _ddp_available() -> bool:
-    from torchrig.plugin_manager import PluginStatus
+    from torchrig.plugin_host import PluginStatus
     from torchrig.testing import make_host
 
     try:

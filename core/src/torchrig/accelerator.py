@@ -33,7 +33,7 @@ from torchrig.gradient_state import gradient_state_of
 from torchrig.launch import status
 from torchrig.nested import convert_to_fp32, recursively_apply
 from torchrig.optimizer import AcceleratedOptimizer
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_host import PluginHost
 from torchrig.preemption import Preempted, install_signal_handlers, run_requeue_command
 from torchrig.preemption_watch import PreemptionWatch
 from torchrig.process import AcceleratorState, ProcessControl

@@ -1,6 +1,6 @@
 """The core's default hook implementations: one ``trylast`` answer for every firstresult hook.
 
-Registered first, as ``"core:defaults"``, by every :class:`~torchrig.plugin_manager.PluginHost`,
+Registered first, as ``"core:defaults"``, by every :class:`~torchrig.plugin_host.PluginHost`,
 so "nobody answered" cannot happen. This module stays importable without torch (the CLI
 registers it too); torch is imported inside the implementations that need it.
 """

@@ -16,7 +16,7 @@ from typing import Any
 from torchrig.config.resolve import Layer, resolve_config
 from torchrig.enums import DistributedType
 from torchrig.kinds import PluginKind
-from torchrig.plugin_manager import PluginHost, PluginStatus
+from torchrig.plugin_host import PluginHost, PluginStatus
 from torchrig.process_group import adopt_existing_group, record_group, release_groups_at_exit
 from torchrig.run import RunContext
 from torchrig.step_plan import StepPlan, StepPlanBuilder

@@ -44,7 +44,7 @@ from torchrig.config.resolve import (
 )
 from torchrig.errors import ConfigError, TorchrigError
 from torchrig.launch.worker import KILL_GRACE_S, STOP_GRACE_S
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_host import PluginHost
 from torchrig.types import LaunchPlan
 
 PROG = "torchrig launch"

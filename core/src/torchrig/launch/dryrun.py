@@ -15,7 +15,7 @@ import shlex
 from typing import Any, TextIO
 
 from torchrig.config.resolve import ResolvedConfig
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_host import PluginHost
 from torchrig.types import LaunchPlan
 
 #: (phase, hook) in the order a run meets them.

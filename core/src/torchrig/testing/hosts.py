@@ -6,7 +6,7 @@ import importlib.metadata as md
 from collections.abc import Iterable, Mapping
 
 from torchrig.discovery import installed_distributions
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_host import PluginHost
 
 
 def make_host(
@@ -15,7 +15,7 @@ def make_host(
     disabled: Iterable[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> PluginHost:
-    """A fresh :class:`~torchrig.plugin_manager.PluginHost` over the installed distributions
+    """A fresh :class:`~torchrig.plugin_host.PluginHost` over the installed distributions
     (unless ``include_installed=False``) plus ``fake_distributions``. ``environ`` defaults to an
     empty mapping so the caller's ``TORCHRIG_DISABLE_PLUGINS`` does not leak into tests."""
     dists = [*installed_distributions(), *fake_distributions] if include_installed else list(fake_distributions)
