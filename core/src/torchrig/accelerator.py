@@ -22,15 +22,16 @@ from typing import Any
 
 import attrs
 
+from torchrig import run_status
 from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.compile import compile_model
 from torchrig.config.options import PreemptionConfig, ProfileKwargs
 from torchrig.config.resolve import ResolvedConfig, Schema
+from torchrig.defaults import training as training_defaults
 from torchrig.enums import RNGType
 from torchrig.errors import ConfigError
 from torchrig.gradient_state import gradient_state_of
-from torchrig.launch import status
 from torchrig.nested import convert_to_fp32, recursively_apply
 from torchrig.optimizer import AcceleratedOptimizer
 from torchrig.plugin_host import PluginHost
@@ -165,6 +166,7 @@ class Accelerator(ProcessControl):
         self.rng_types = RNGType.parse_all(rng_types, "Accelerator(rng_types=...)")
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self._host = PluginHost()
+        training_defaults.register(self._host)
         schema = Schema(self._host)
         arguments = accelerator_arguments(
             schema,
@@ -250,7 +252,7 @@ class Accelerator(ProcessControl):
                 self.print(f"torchrig: preemption: {failure}", file=sys.stderr)
         if self._requeue_command:
             self.wait_for_everyone()  # no rank exits (srun --kill-on-bad-exit) before the job is requeued
-        status.record(preempted={"signal": signal_name, "checkpoint": checkpoint, "step": step, "requeued": requeued})
+        run_status.record(preempted={"signal": signal_name, "checkpoint": checkpoint, "step": step, "requeued": requeued})
         self.end_training()
         stop = Preempted(options.exit_code, signal_name=signal_name, checkpoint=checkpoint, step=step, requeued=requeued)
         self.print(f"torchrig: {stop}", file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torchrig.checkpoint import layout
-from torchrig.checkpoint.files import CheckpointError
+from torchrig.checkpoint.files import CheckpointError, describe
 from torchrig.checkpoint.state import FINGERPRINT_SECTIONS, comparable_data_order, diff, reseed_rng, restore_rng
 from torchrig.checkpoint.state_dicts import load_structured
 from torchrig.checkpoint.trust import load_pickled
@@ -24,10 +24,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchrig.checkpoint.manager import CheckpointManager
 
 _PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
-
-
-def describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
 
 
 def load(manager: CheckpointManager, input_dir: str | os.PathLike[str] | None, *, allow_config_change: bool,
@@ -201,4 +197,4 @@ def restore(manager: CheckpointManager, directory: str, manifest: Mapping[str, A
         manager.iteration = manifest["iteration"] + 1
 
 
-__all__ = ["check_compatible", "describe", "load", "resolve", "restore"]
+__all__ = ["check_compatible", "load", "resolve", "restore"]
