@@ -23,11 +23,13 @@ from typing import Any
 import attrs
 
 from torchrig import run_status
+from torchrig.checkpoint.export import parse_size, save_object, save_weights
 from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.compile import compile_model
 from torchrig.config.options import PreemptionConfig, ProfileKwargs
 from torchrig.config.resolve import ResolvedConfig, Schema
+from torchrig.data import skip_first_batches as skip_loader_batches
 from torchrig.defaults import training as training_defaults
 from torchrig.enums import RNGType
 from torchrig.errors import ConfigError
@@ -690,9 +692,7 @@ class Accelerator(ProcessControl):
                 loader.even_batches = value
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        from torchrig.data import skip_first_batches
-
-        return skip_first_batches(dataloader, num_batches)
+        return skip_loader_batches(dataloader, num_batches)
 
     # -- checkpoints (torchrig.checkpoint; docs/checkpoints.md) -------------------------------
 
@@ -765,8 +765,6 @@ class Accelerator(ProcessControl):
                    safe_serialization: bool = True) -> list[str]:
         """Full weights (gathered from shards) as ``model.safetensors`` or shards with an index;
         collective. Returns the files written (empty on ranks that write nothing)."""
-        from torchrig.checkpoint.export import parse_size, save_weights
-
         parse_size(max_shard_size)  # a bad size fails on every rank, before any gathering
         state = self.get_state_dict(model)
         written = save_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization) \
@@ -776,8 +774,6 @@ class Accelerator(ProcessControl):
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
         """Write ``obj`` once per job (once per node with ``save_on_each_node``), atomically."""
-        from torchrig.checkpoint.export import save_object
-
         if self._writes_files:
             save_object(obj, os.fspath(f), safe_serialization)
 

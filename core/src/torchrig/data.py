@@ -133,6 +133,7 @@ import attrs
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from torchrig.collectives import Collectives
 from torchrig.config.options import DataLoaderConfiguration
 from torchrig.gradient_state import GradientState, gradient_state_of
 from torchrig.nested import send_to_device
@@ -140,7 +141,6 @@ from torchrig.process import PartialState, world_collectives
 from torchrig.runtime import latest_run
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torchrig.collectives import Collectives
     from torchrig.run import RunContext
 
 _MASK64 = (1 << 64) - 1
@@ -1043,8 +1043,6 @@ def prepare_dataloader(run: RunContext, dataloader: Any, *, device_placement: bo
     size, rank = _data_parallel_layout(run)
     collectives = run.collectives
     if collectives is None and run.cluster.world_size > 1:
-        from torchrig.collectives import Collectives
-
         collectives = Collectives(world_size=run.cluster.world_size)
     device = run.device.device if (device_placement is not False and run.device is not None) else None
     options = run.section(DataLoaderConfiguration)  # each default declared once, on the class

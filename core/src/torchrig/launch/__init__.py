@@ -16,6 +16,7 @@ from typing import Any
 
 
 def main(argv: Any = None) -> int:
+    # Imported when called: the wrapper imports this package in every worker, and must not pay for the CLI.
     from torchrig.launch.cli import main as _main
 
     return _main(argv)
