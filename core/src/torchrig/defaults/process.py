@@ -1,17 +1,16 @@
 """The core's process defaults: the CPU device, the default process group, collectives and
-replicated capabilities. Registered as ``"core:process-defaults"`` by
-:func:`torchrig.runtime.start_run`, the first place these hooks are called."""
+replicated capabilities. Registered as ``"core:process-defaults"`` by whoever starts a run on a
+host (``PartialState``, the Accelerator, :func:`torchrig.testing.make_host`).
+
+Torch-free to import, like every family of defaults: a host is built for configuration work
+(``make_host``, the launcher) without torch, so torch and the modules that need it are imported
+inside the implementations."""
 
 from __future__ import annotations
 
 import datetime
 from typing import Any
 
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
-
-from torchrig.builtins.devices import CPUBackend
-from torchrig.collectives import Collectives
 from torchrig.config.options import InitProcessGroupKwargs
 from torchrig.markers import hookimpl
 from torchrig.plugin_host import PluginHost
@@ -26,6 +25,8 @@ def apply_timeout_to_later_groups(timeout: Any) -> None:
     """One collective timeout for every process group: groups created later without an explicit
     timeout (``new_group``, device meshes) take torch's process-wide defaults, so set those too
     (Accelerate applies the user's timeout to the default group only: accelerate#2236, #3711)."""
+    import torch.distributed.distributed_c10d as c10d  # torch: see the module docstring
+
     c10d.default_pg_timeout = timeout
     if getattr(c10d, "default_pg_nccl_timeout", None) is not None:
         c10d.default_pg_nccl_timeout = timeout
@@ -36,12 +37,16 @@ class ProcessDefaults:
 
     @hookimpl(trylast=True)
     def torchrig_select_device(self, run: RunContext) -> Any:
+        from torchrig.builtins.devices import CPUBackend  # torch: see the module docstring
+
         return CPUBackend()
 
     @hookimpl(trylast=True)
     def torchrig_init_process_group(self, run: RunContext) -> bool:
         if run.cluster.world_size <= 1:
             return True
+        import torch.distributed as dist  # torch: see the module docstring
+
         # The default (1800 s) is declared once, on InitProcessGroupKwargs.timeout.
         timeout = datetime.timedelta(seconds=float(run.section(InitProcessGroupKwargs).timeout))
         apply_timeout_to_later_groups(timeout)
@@ -65,6 +70,8 @@ class ProcessDefaults:
 
     @hookimpl(trylast=True)
     def torchrig_collectives(self, run: RunContext) -> Any:
+        from torchrig.collectives import Collectives  # torch: see the module docstring
+
         return Collectives(world_size=run.cluster.world_size)
 
     @hookimpl(trylast=True)

@@ -1,6 +1,10 @@
 """The core's training defaults: prepare the model, dataloader and scheduler, save and load the
 plain strategy state. Registered as ``"core:training-defaults"`` by the Accelerator (the only
-caller of these hooks), so they may use data and checkpoint, which sit above the runtime."""
+caller of these hooks; also :func:`torchrig.testing.make_host` and the launcher's dry run), so
+they may use data and checkpoint, which sit above the runtime.
+
+Torch-free to import (see :mod:`torchrig.defaults.process`): the data and state-dict modules,
+which import torch, are imported inside the implementations."""
 
 from __future__ import annotations
 
@@ -8,8 +12,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchrig.checkpoint.files import CheckpointWriter
-from torchrig.checkpoint.state_dicts import load_plain_state, save_plain_state
-from torchrig.data import prepare_dataloader
 from torchrig.defaults import process
 from torchrig.gradient_state import gradient_state_of
 from torchrig.markers import hookimpl
@@ -36,6 +38,8 @@ class TrainingDefaults:
 
     @hookimpl(trylast=True)
     def torchrig_prepare_dataloader(self, run: RunContext, dataloader: Any, device_placement: bool) -> Any:
+        from torchrig.data import prepare_dataloader  # torch: see the module docstring
+
         return prepare_dataloader(run, dataloader, device_placement=device_placement)
 
     @hookimpl(trylast=True)
@@ -46,10 +50,14 @@ class TrainingDefaults:
     def torchrig_save_strategy_state(
         self, run: RunContext, prepared: Sequence[PreparedModel], writer: CheckpointWriter
     ) -> list[str]:
+        from torchrig.checkpoint.state_dicts import save_plain_state  # torch: see the module docstring
+
         return save_plain_state(run, prepared, writer)
 
     @hookimpl(trylast=True)
     def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> bool:
+        from torchrig.checkpoint.state_dicts import load_plain_state  # torch: see the module docstring
+
         load_plain_state(run, prepared, directory)
         return True
 
