@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from torchrig.collectives import Collectives
-from torchrig.defaults import process as process_defaults
 from torchrig.enums import DistributedType
 from torchrig.errors import ConfigError
 from torchrig.kinds import PluginKind
@@ -182,9 +181,7 @@ def _state_run(cpu: bool, init_kwargs: Mapping[str, Any]) -> RunContext:
     arguments: dict[str, Any] = {"init_process_group_kwargs": dict(init_kwargs)} if init_kwargs else {}
     if cpu:
         arguments["use_cpu"] = True
-    host = PluginHost()
-    process_defaults.register(host)
-    _process_run = open_run(host, arguments, process_only=True)
+    _process_run = open_run(PluginHost(), arguments, process_only=True)
     return _process_run
 
 

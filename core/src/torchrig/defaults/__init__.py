@@ -8,7 +8,7 @@ imports a higher one:
   :class:`~torchrig.plugin_host.PluginHost` — configuration, cluster, memory estimate, worker
   environment;
 * :mod:`~torchrig.defaults.process` (``"core:process-defaults"``): :func:`torchrig.runtime.start_run`
-  — device, process group, collectives, capabilities;
+  (``PartialState``, the Accelerator) — device, process group, collectives, capabilities;
 * :mod:`~torchrig.defaults.training` (``"core:training-defaults"``): the Accelerator — prepare,
   strategy state, full state dict;
 * :mod:`torchrig.launch.defaults` (``"core:launch-defaults"``): the launcher — ``torchrig_launch``.

@@ -1,6 +1,7 @@
 """The core's process defaults: the CPU device, the default process group, collectives and
-replicated capabilities. Registered as ``"core:process-defaults"`` by whoever starts a run on a
-host (``PartialState``, the Accelerator, :func:`torchrig.testing.make_host`).
+replicated capabilities. Registered as ``"core:process-defaults"`` by
+:func:`torchrig.runtime.start_run` (``PartialState`` and the Accelerator start runs through it),
+the first place these hooks are called.
 
 Torch-free to import, like every family of defaults: a host is built for configuration work
 (``make_host``, the launcher) without torch, so torch and the modules that need it are imported
