@@ -22,6 +22,7 @@ RUNNING, FINISHED, FAILED, TERMINATED, INTERRUPTED = "running", "finished", "fai
 #: A rank that stopped after a preemption checkpoint (:mod:`torchrig.preemption`): neither a failure nor the end.
 PREEMPTED = "preempted"
 
+
 def write_json_atomic(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
     """Write ``data`` as JSON so that readers see the old file or the new one, never a torn one."""
     path = Path(path)
