@@ -13,7 +13,7 @@ import sys
 from torchrig.config.compat import ACCELERATE_KEYS
 from torchrig.config.flags import collect_flags
 from torchrig.config.resolve import Schema, env_name
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_host import PluginHost
 
 
 def _default(value: object) -> str:

@@ -10,7 +10,7 @@ import torchrig.accelerator as accelerator_module
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchrig import Accelerator, AutocastKwargs, GradientAccumulationPlugin
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_host import PluginHost
 from torchrig.testing import HookRecorder
 from torchrig.utils import find_executable_batch_size, set_seed
 

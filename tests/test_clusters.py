@@ -20,7 +20,7 @@ from torchrig.builtins.clusters import (
     slurm_master_port,
     srun_command,
 )
-from torchrig.plugin_manager import PluginStatus
+from torchrig.plugin_host import PluginStatus
 from torchrig.testing import make_host
 from torchrig.types import ClusterInfo
 

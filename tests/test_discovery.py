@@ -15,7 +15,7 @@ from torchrig.errors import (
 )
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
-from torchrig.plugin_manager import PluginStatus
+from torchrig.plugin_host import PluginStatus
 from torchrig.testing import FakeDistribution, make_host, plugin_distribution
 from torchrig.types import Capabilities, CliFlag
 

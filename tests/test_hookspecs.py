@@ -7,11 +7,16 @@ import pathlib
 
 import pytest
 from torchrig import hookspecs
-from torchrig.defaults import CoreDefaults
+from torchrig.defaults.configuration import ConfigurationDefaults
+from torchrig.defaults.process import ProcessDefaults
+from torchrig.defaults.training import TrainingDefaults
+from torchrig.launch.defaults import LaunchDefaults
 from torchrig.markers import PROJECT_NAME
+from torchrig.plugin_host import PluginHost
 from torchrig.testing import make_host
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+CORE_FAMILIES = ("core:defaults", "core:process-defaults", "core:training-defaults", "core:launch-defaults")
 
 
 def _specs():
@@ -82,15 +87,23 @@ def test_every_firstresult_hook_has_exactly_one_trylast_core_default():
         if not opts["firstresult"]:
             continue
         impls = getattr(host.pm.hook, name).get_hookimpls()
-        core = [i for i in impls if i.plugin_name == "core:defaults"]
+        core = [i for i in impls if i.plugin_name in CORE_FAMILIES]
         assert len(core) == 1, f"{name} must have exactly one core default"
         assert core[0].trylast, f"the core default of {name} must be trylast"
-        assert not any(i.trylast for i in impls if i.plugin_name != "core:defaults"), name
+        assert not any(i.trylast for i in impls if i.plugin_name not in CORE_FAMILIES), name
 
 
-def test_core_defaults_implement_only_defined_hooks():
-    names = {n for n in dir(CoreDefaults) if n.startswith("torchrig_")}
-    assert names <= set(SPEC_NAMES)
+def test_core_defaults_implement_only_defined_hooks_each_in_one_family():
+    families = [ConfigurationDefaults, ProcessDefaults, TrainingDefaults, LaunchDefaults]
+    names = [n for family in families for n in dir(family) if n.startswith("torchrig_")]
+    assert set(names) <= set(SPEC_NAMES)
+    assert len(names) == len(set(names)), "a hook answered by two core default families"
+
+
+def test_a_bare_host_registers_only_the_configuration_defaults():
+    # The host sits below the runtime: the runtime and launcher register their own families.
+    host = PluginHost(environ={})
+    assert {name for name, _ in host.pm.list_name_plugin()} & set(CORE_FAMILIES) == {"core:defaults"}
 
 
 def test_hook_api_version_is_supported():

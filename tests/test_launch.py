@@ -194,7 +194,7 @@ def test_dry_run_shows_config_sources_plugins_and_rank_environment_and_starts_no
     assert row("mixed_precision")[1:] == ["bf16", "flag", "--mixed_precision"]
     assert row("gradient_accumulation_steps")[1:] == ["4", "environment", "TORCHRIG_GRADIENT_ACCUMULATION_STEPS"]
     assert row("strategy")[1] == "ddp"
-    assert any(line.split()[:2] == ["launch", "core:defaults"] for line in lines)
+    assert any(line.split()[:2] == ["launch", "core:launch-defaults"] for line in lines)
     assert any(line.split()[:2] == ["precision", "bf16"] for line in lines)
     for rank in (0, 1):
         assert f"  rank {rank} (local rank {rank}):" in stdout
@@ -475,7 +475,7 @@ def test_a_restart_gets_a_fresh_master_port_and_succeeds(tmp_path, process_guard
 
 
 def _ddp_available() -> bool:
-    from torchrig.plugin_manager import PluginStatus
+    from torchrig.plugin_host import PluginStatus
     from torchrig.testing import make_host
 
     try:

@@ -72,7 +72,7 @@ def test_exact_hook_order_of_a_single_process_run():
     )
     # The strategy was asked before the core default; the selected plugins are registered.
     assert rec.calls_of("torchrig_strategy_capabilities")[0].plugins[:1] == ("strategy:single",)
-    assert rec.calls_of("torchrig_select_device")[0].plugins == ("device:cpu", "core:defaults")
+    assert rec.calls_of("torchrig_select_device")[0].plugins == ("device:cpu", "core:process-defaults")
     assert run.device.device == torch.device("cpu")
     assert run.cluster.world_size == 1 and run.cluster.rank == 0
     assert set(plan.owners.values()) == {"core"}

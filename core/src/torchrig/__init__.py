@@ -22,9 +22,9 @@ _LAZY: dict[str, str] = {
     "hookspec": "torchrig.markers",
     "HOOK_API_VERSION": "torchrig.hookspecs",
     "PluginManifest": "torchrig.manifest",
-    "PluginHost": "torchrig.plugin_manager",
+    "PluginHost": "torchrig.plugin_host",
     "PluginKind": "torchrig.kinds",
-    "PluginStatus": "torchrig.plugin_manager",
+    "PluginStatus": "torchrig.plugin_host",
     "RunContext": "torchrig.run",
     "StepPlan": "torchrig.step_plan",
     "StepPlanBuilder": "torchrig.step_plan",
@@ -116,7 +116,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchrig.kinds import PluginKind
     from torchrig.manifest import PluginManifest
     from torchrig.markers import hookimpl, hookspec
-    from torchrig.plugin_manager import PluginHost, PluginStatus
+    from torchrig.plugin_host import PluginHost, PluginStatus
     from torchrig.run import RunContext
     from torchrig.step_plan import StepPlan, StepPlanBuilder
     from torchrig.tracker import Tracker

@@ -22,19 +22,21 @@ from typing import Any
 
 import attrs
 
+from torchrig import run_status
+from torchrig.checkpoint.export import parse_size, save_object, save_weights
 from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.compile import compile_model
 from torchrig.config.options import PreemptionConfig, ProfileKwargs
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.data import standalone as standalone_data
+from torchrig.defaults import training as training_defaults
 from torchrig.enums import RNGType
 from torchrig.errors import ConfigError
 from torchrig.gradient_state import gradient_state_of
-from torchrig.launch import status
 from torchrig.nested import convert_to_fp32, recursively_apply
 from torchrig.optimizer import AcceleratedOptimizer
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_host import PluginHost
 from torchrig.preemption import Preempted, install_signal_handlers, run_requeue_command
 from torchrig.preemption_watch import PreemptionWatch
 from torchrig.process import AcceleratorState, ProcessControl
@@ -166,6 +168,7 @@ class Accelerator(ProcessControl):
         self.rng_types = RNGType.parse_all(rng_types, "Accelerator(rng_types=...)")
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self._host = PluginHost()
+        training_defaults.register(self._host)
         schema = Schema(self._host)
         arguments = accelerator_arguments(
             schema,
@@ -251,7 +254,7 @@ class Accelerator(ProcessControl):
                 self.print(f"torchrig: preemption: {failure}", file=sys.stderr)
         if self._requeue_command:
             self.wait_for_everyone()  # no rank exits (srun --kill-on-bad-exit) before the job is requeued
-        status.record(preempted={"signal": signal_name, "checkpoint": checkpoint, "step": step, "requeued": requeued})
+        run_status.record(preempted={"signal": signal_name, "checkpoint": checkpoint, "step": step, "requeued": requeued})
         self.end_training()
         stop = Preempted(options.exit_code, signal_name=signal_name, checkpoint=checkpoint, step=step, requeued=requeued)
         self.print(f"torchrig: {stop}", file=sys.stderr, flush=True)
@@ -762,8 +765,6 @@ class Accelerator(ProcessControl):
                    safe_serialization: bool = True) -> list[str]:
         """Full weights (gathered from shards) as ``model.safetensors`` or shards with an index;
         collective. Returns the files written (empty on ranks that write nothing)."""
-        from torchrig.checkpoint.export import parse_size, save_weights
-
         parse_size(max_shard_size)  # a bad size fails on every rank, before any gathering
         state = self.get_state_dict(model)
         written = save_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization) \
@@ -773,8 +774,6 @@ class Accelerator(ProcessControl):
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
         """Write ``obj`` once per job (once per node with ``save_on_each_node``), atomically."""
-        from torchrig.checkpoint.export import save_object
-
         if self._writes_files:
             save_object(obj, os.fspath(f), safe_serialization)
 

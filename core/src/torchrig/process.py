@@ -23,7 +23,7 @@ from torchrig.collectives import Collectives
 from torchrig.enums import DistributedType
 from torchrig.errors import ConfigError
 from torchrig.kinds import PluginKind
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_host import PluginHost
 from torchrig.run import RunContext
 from torchrig.runtime import declared_distributed_type, declared_precision_type, latest_run, open_run
 

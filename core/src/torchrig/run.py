@@ -20,7 +20,7 @@ T = TypeVar("T")
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.collectives import Collectives
     from torchrig.device import DeviceBackend
-    from torchrig.plugin_manager import PluginHost
+    from torchrig.plugin_host import PluginHost
 
 
 @attrs.define(eq=False)

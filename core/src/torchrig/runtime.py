@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrig.config.resolve import Layer, resolve_config
+from torchrig.defaults import process as process_defaults
 from torchrig.enums import DistributedType
 from torchrig.kinds import PluginKind
-from torchrig.plugin_manager import PluginHost, PluginStatus
+from torchrig.plugin_host import PluginHost, PluginStatus
 from torchrig.process_group import adopt_existing_group, record_group, release_groups_at_exit
 from torchrig.run import RunContext
 from torchrig.step_plan import StepPlan, StepPlanBuilder
@@ -76,6 +77,7 @@ def start_run(
     else:
         select_plugins(host, config)
     host.check_pending()
+    process_defaults.register(host)  # the core answers the device, group and collectives hooks
     run = RunContext(config=config, plugins=host, cluster=cluster)
     run.device = host.hook.torchrig_select_device(run=run)
     adopt_existing_group(run)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchrig.kinds import PluginKind
-from torchrig.plugin_manager import PluginHost, PluginStatus
+from torchrig.plugin_host import PluginHost, PluginStatus
 from torchrig.process import PartialState
 
 

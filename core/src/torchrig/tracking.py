@@ -36,10 +36,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from torchrig import run_status
 from torchrig._version import __version__
 from torchrig.compat.resolve import module_attributes
 from torchrig.config.resolve import Layer, Schema
-from torchrig.launch import status
 from torchrig.tracker import Tracker, as_scalar, flatten, jsonable
 from torchrig.tracker_lane import DROP_REASONS, WARNING_BURST, WARNING_INTERVAL, _Lane
 
@@ -391,7 +391,7 @@ def _publish(report: Mapping[str, Mapping[str, Any]]) -> None:
                        f"{row['dropped']} ({detail or 'none'}){last}")
             warnings.append(message)
             logger.warning(message)
-    status.record(trackers=dict(report), **({"warnings": warnings} if warnings else {}))
+    run_status.record(trackers=dict(report), **({"warnings": warnings} if warnings else {}))
 
 
 # --------------------------------------------------------------------------------------------

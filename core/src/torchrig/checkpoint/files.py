@@ -37,6 +37,11 @@ class CheckpointError(TorchrigError):
     directory, the file or rank, what is wrong and what to do."""
 
 
+def describe(exc: BaseException) -> str:
+    """One line for a failed save or load: a CheckpointError's own message, else the type too."""
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
 @attrs.frozen
 class FileRecord:
     """One file of a checkpoint, relative to the checkpoint directory."""
@@ -438,4 +443,4 @@ def _normalise(name: str) -> str:
     return name
 
 
-__all__ = ["CheckpointError", "CheckpointWriter", "FileRecord", "describe_os_error", "fsync_path", "hash_file"]
+__all__ = ["CheckpointError", "CheckpointWriter", "FileRecord", "describe", "describe_os_error", "fsync_path", "hash_file"]

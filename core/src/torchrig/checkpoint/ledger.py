@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from torchrig.gradient_state import GradientState
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_host import PluginHost
 from torchrig.run import RunContext
 from torchrig.types import PreparedModel
 

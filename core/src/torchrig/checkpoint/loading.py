@@ -11,26 +11,43 @@ then restores. Every pickle-based file is read with the restricted unpickler unl
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torchrig.checkpoint import layout
-from torchrig.checkpoint.files import CheckpointError
+from torchrig.checkpoint.files import CheckpointError, describe
 from torchrig.checkpoint.state import FINGERPRINT_SECTIONS, comparable_data_order, diff, reseed_rng, restore_rng
 from torchrig.checkpoint.state_dicts import load_structured
 from torchrig.checkpoint.trust import load_pickled
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torchrig.checkpoint.manager import CheckpointManager
+    from torchrig.checkpoint.ledger import CheckpointLedger
+    from torchrig.collectives import Collectives
 
 _PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
-def describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+class ManagerView(Protocol):
+    """What loading uses of :class:`torchrig.checkpoint.manager.CheckpointManager`, which passes
+    itself: the manager imports this half, so this half names its needs instead of the manager."""
+
+    ledger: CheckpointLedger
+    iteration: int
+    load_pre_hooks: Mapping[int, Callable[..., Any]]
+
+    @property
+    def _project(self) -> Any: ...
+
+    def checkpoints_root(self, output_dir: str | os.PathLike[str] | None = None) -> str: ...
+
+    def _collectives(self) -> Collectives: ...
+
+    def _fingerprint(self) -> tuple[dict[str, Any], list[dict[str, Any]]]: ...
+
+    def _plugin_state(self) -> dict[str, Any]: ...
 
 
-def load(manager: CheckpointManager, input_dir: str | os.PathLike[str] | None, *, allow_config_change: bool,
+def load(manager: ManagerView, input_dir: str | os.PathLike[str] | None, *, allow_config_change: bool,
          allow_world_size_change: bool, verify_hashes: bool, allow_pickle: bool, skip_damaged: bool) -> str:
     rank = manager.ledger.run.cluster.rank
     collectives = manager._collectives()
@@ -69,7 +86,7 @@ def load(manager: CheckpointManager, input_dir: str | os.PathLike[str] | None, *
     return directory
 
 
-def resolve(manager: CheckpointManager, input_dir: str | os.PathLike[str] | None, skip_damaged: bool) -> str:
+def resolve(manager: ManagerView, input_dir: str | os.PathLike[str] | None, skip_damaged: bool) -> str:
     project = manager._project
     if input_dir is None:
         if not project.automatic_checkpoint_naming and not project.project_dir:
@@ -96,7 +113,7 @@ def resolve(manager: CheckpointManager, input_dir: str | os.PathLike[str] | None
                           f"{layout.MANIFEST_NAME}: the save that wrote it did not finish) and holds none")
 
 
-def check_compatible(manager: CheckpointManager, directory: str, manifest: Mapping[str, Any],
+def check_compatible(manager: ManagerView, directory: str, manifest: Mapping[str, Any],
                      allow_config_change: bool, allow_world_size_change: bool) -> None:
     ledger = manager.ledger
     problems = []
@@ -146,7 +163,7 @@ def _custom_file(directory: str, index: int, listed: set[str]) -> str | None:
     return None
 
 
-def restore(manager: CheckpointManager, directory: str, manifest: Mapping[str, Any], allow_pickle: bool) -> None:
+def restore(manager: ManagerView, directory: str, manifest: Mapping[str, Any], allow_pickle: bool) -> None:
     ledger = manager.ledger
     run = ledger.run
     rank = run.cluster.rank
@@ -201,4 +218,4 @@ def restore(manager: CheckpointManager, directory: str, manifest: Mapping[str, A
         manager.iteration = manifest["iteration"] + 1
 
 
-__all__ = ["check_compatible", "describe", "load", "resolve", "restore"]
+__all__ = ["ManagerView", "check_compatible", "load", "resolve", "restore"]

@@ -35,25 +35,25 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from torchrig import run_status
 from torchrig._version import __version__
 from torchrig.checkpoint import faults, layout, loading, temporaries
 from torchrig.checkpoint.files import (
     CheckpointError,
     CheckpointWriter,
     FileRecord,
+    describe,
     describe_os_error,
     fsync_path,
     hash_file,
 )
 from torchrig.checkpoint.ledger import CheckpointLedger
-from torchrig.checkpoint.loading import describe as _describe
 from torchrig.checkpoint.pending import PendingSave
 from torchrig.checkpoint.state import capture_rng, describe_dataloader, digest, fingerprint_config
 from torchrig.checkpoint.state_dicts import save_structured
 from torchrig.checkpoint.trust import check_loadable
 from torchrig.collectives import Collectives
 from torchrig.config.resolve import Schema
-from torchrig.launch import status
 from torchrig.logging import get_logger
 
 logger = get_logger(__name__)
@@ -167,13 +167,13 @@ class CheckpointManager:
         except _PASS_THROUGH:
             raise
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            local_error = _describe(exc)
+            local_error = describe(exc)
 
         def finish() -> str:
             return self._finish(collectives, writer, extra_files, local_error, temporary, target, root, base, overwrite)
 
         if async_save:
-            self._pending = PendingSave(target, finish, _describe)
+            self._pending = PendingSave(target, finish, describe)
             return target
         return finish()
 
@@ -308,7 +308,7 @@ class CheckpointManager:
             except _PASS_THROUGH:
                 raise
             except BaseException as exc:
-                local_error = _describe(exc)
+                local_error = describe(exc)
         report = {"rank": rank, "error": local_error, "files": [r.to_json() for r in records]}
         reports = collectives.gather_object(report)
         failures = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"]]
@@ -326,7 +326,7 @@ class CheckpointManager:
         outcome = collectives.broadcast_object_list([outcome])[0]
         if "error" in outcome:
             raise CheckpointError(outcome["error"])
-        status.record(last_checkpoint=target)  # every rank's status file names it
+        run_status.record(last_checkpoint=target)  # every rank's status file names it
         for message in outcome.get("warnings", []):
             logger.warning(message)
         return target

@@ -20,7 +20,7 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-from torchrig.checkpoint.files import CheckpointError, FileRecord, hash_file
+from torchrig.checkpoint.files import CheckpointError, FileRecord, fsync_path, hash_file
 
 MANIFEST_NAME = "torchrig_checkpoint.json"
 FORMAT = "torchrig-checkpoint"
@@ -132,8 +132,6 @@ def has_manifest_file(directory: str) -> bool:
 
 
 def write_manifest(directory: str, manifest: dict[str, Any]) -> None:
-    from torchrig.checkpoint.files import fsync_path
-
     path = os.path.join(directory, MANIFEST_NAME)
     with open(path, "w") as handle:
         json.dump(manifest, handle, indent=1, sort_keys=True, default=str)

@@ -20,6 +20,9 @@ from typing import Any
 
 import attrs
 
+from torchrig.discovery import installed_distributions, load_reference
+from torchrig.errors import TorchrigError
+
 GROUP = "torchrig.commands"
 
 
@@ -42,8 +45,6 @@ class PluginCommand:
 
 def discover_commands(reserved: Iterable[str] = (), distributions: Iterable[Any] | None = None) -> list[PluginCommand]:
     """Every contributed command, by name; ``reserved`` names (built-in commands) are skipped."""
-    from torchrig.discovery import installed_distributions, load_reference
-
     declared: dict[str, list[tuple[str, str]]] = {}
     for dist in installed_distributions() if distributions is None else distributions:
         for ep in dist.entry_points:
@@ -85,8 +86,6 @@ def add_commands(sub: Any, commands: Iterable[PluginCommand]) -> None:
 def _handler(item: PluginCommand) -> Any:
     def handle(args: argparse.Namespace) -> int:
         if item.problem is not None:
-            from torchrig.errors import TorchrigError
-
             raise TorchrigError(f"command {item.name!r} is unavailable: {item.problem}")
         return int(item.command.run(args) or 0)
 

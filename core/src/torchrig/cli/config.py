@@ -20,7 +20,7 @@ from torchrig.config.default_file import detect_defaults, write_config_file
 from torchrig.config.flags import add_config_flags, collect_flags, flag_values
 from torchrig.config.resolve import CONFIG_FILE_ENV, ResolvedConfig, Schema, default_config_path, resolve_config
 from torchrig.errors import ConfigError
-from torchrig.plugin_manager import PluginHost, PluginStatus
+from torchrig.plugin_host import PluginHost, PluginStatus
 
 
 def build_config_parser(schema: Schema) -> tuple[argparse.ArgumentParser, dict[str, Any], dict[str, Any]]:

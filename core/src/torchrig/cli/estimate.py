@@ -21,7 +21,7 @@ from torchrig.config.resolve import CONFIG_FILE_ENV, ResolvedConfig, Schema, res
 from torchrig.errors import TorchrigError
 from torchrig.launch.cli import work_out_layout
 from torchrig.memory import OPTIMIZERS, MemoryEstimate, MemoryRequest, ModelFootprint, format_bytes, format_estimate
-from torchrig.plugin_manager import DEFAULTS_NAME, PluginHost
+from torchrig.plugin_host import DEFAULTS_NAME, PluginHost
 
 PROG = "torchrig estimate-memory"
 DESCRIPTION = """\

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from torchrig._version import __version__
+from torchrig.cli.commands import add_commands, discover_commands
 from torchrig.errors import TorchrigError
 
 EXIT_USAGE = 2
@@ -63,12 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--dir", dest="directory", metavar="DIR", help="where to write it (must not exist, or be empty)")
     new.set_defaults(handler=_run_new_plugin)
 
-    from torchrig.cli.commands import add_commands, discover_commands
-
     add_commands(sub, discover_commands(reserved=BUILTIN_COMMANDS))
     return parser
 
 
+# Each subcommand's module is imported when that subcommand runs, not at the top: `torchrig --help`
+# must stay fast and torch-free (tests/test_accelerate_names.py), and a broken optional dependency of
+# one subcommand must not break the others.
 def _run_plugins(args: argparse.Namespace) -> int:
     from torchrig.cli.plugins import run_plugins
 

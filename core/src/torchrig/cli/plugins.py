@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from torchrig.plugin_manager import PluginHost, PluginInfo, PluginStatus
+from torchrig.plugin_host import PluginHost, PluginInfo, PluginStatus
 from torchrig.runtime import DEFAULT_PRECISION, DEFAULT_STRATEGY
 
 #: What a run selects when the configuration says nothing (auto-detected kinds aside).

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from torchrig.launch.cli import PROG as LAUNCH_PROG
 from torchrig.launch.cli import UsageError, build_parser, run_launch, split_argv
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_host import PluginHost
 
 PROG = "torchrig test"
 SELFTEST_MODULE = "torchrig.selftest"

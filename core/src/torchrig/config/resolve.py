@@ -43,7 +43,7 @@ from torchrig.config.schema import (
     suggest,
 )
 from torchrig.errors import ConfigError
-from torchrig.plugin_manager import PluginHost, PluginStatus
+from torchrig.plugin_host import PluginHost, PluginStatus
 from torchrig.types import ConfigProblem, ConfigSection
 
 T = TypeVar("T")

@@ -2,7 +2,8 @@
 
 Modules: :mod:`~torchrig.launch.cli` (flags, validation, the plan), :mod:`~torchrig.launch.worker`
 (the per-rank wrapper), :mod:`~torchrig.launch.supervisor` (each rank's process tree dies with it),
-:mod:`~torchrig.launch.status` (atomic status files),
+:mod:`~torchrig.launch.status` (atomic status files; a rank records into its own through
+:mod:`torchrig.run_status`),
 :mod:`~torchrig.launch.summary` (the culprit and ``run_status.json``),
 :mod:`~torchrig.launch.preflight` (ports and addresses), :mod:`~torchrig.launch.dryrun`.
 The default ``torchrig_launch`` implementation is :mod:`torchrig.launch.elastic`.
@@ -16,6 +17,7 @@ from typing import Any
 
 
 def main(argv: Any = None) -> int:
+    # Imported when called: the wrapper imports this package in every worker, and must not pay for the CLI.
     from torchrig.launch.cli import main as _main
 
     return _main(argv)

@@ -43,8 +43,9 @@ from torchrig.config.resolve import (
     resolve_config,
 )
 from torchrig.errors import ConfigError, TorchrigError
+from torchrig.launch.defaults import launcher_host
 from torchrig.launch.worker import KILL_GRACE_S, STOP_GRACE_S
-from torchrig.plugin_manager import PluginHost
+from torchrig.plugin_host import PluginHost
 from torchrig.types import LaunchPlan
 
 PROG = "torchrig launch"
@@ -202,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None) -> int:
     stdout = stdout or sys.stdout
-    host = PluginHost()
+    host = launcher_host()
     parser, by_dest = build_parser(host)
     flag_tokens, command = split_argv(parser, argv)
     args = parser.parse_args(flag_tokens)

@@ -15,7 +15,8 @@ import shlex
 from typing import Any, TextIO
 
 from torchrig.config.resolve import ResolvedConfig
-from torchrig.plugin_manager import PluginHost
+from torchrig.defaults import training as training_defaults
+from torchrig.plugin_host import PluginHost
 from torchrig.types import LaunchPlan
 
 #: (phase, hook) in the order a run meets them.
@@ -96,6 +97,7 @@ def print_dry_run(host: PluginHost, config: ResolvedConfig, plan: LaunchPlan, la
         print(f"  {kind:<10} {', '.join(names) or '-'}", file=out)
     print("\nPhases (implementations in call order; a first-answer phase is owned by the first that answers):",
           file=out)
+    training_defaults.register(host)  # what every worker's Accelerator registers
     for label, hook in PHASES:
         print(f"  {label:<22} {', '.join(_owners(host, hook)) or '-'}", file=out)
     print("  step-plan slots         decided by prepare() in each worker (needs the model and device): not shown",

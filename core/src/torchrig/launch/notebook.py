@@ -165,6 +165,8 @@ def _free_port() -> int:
 
 def test_launch() -> None:
     """Check that a process group can be formed and torn down here (Accelerate's launch self-test)."""
+    # Imported here, not at the top: importing the notebook launcher stays torch-free (torchrig.process
+    # needs torch), like the rest of the launcher.
     from torchrig.process import PartialState
 
     state = PartialState()

@@ -26,7 +26,17 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from torchrig.launch.status import FAILED, FINISHED, INTERRUPTED, PREEMPTED, RUNNING, TERMINATED
+from torchrig.launch.status import (
+    FAILED,
+    FINISHED,
+    INTERRUPTED,
+    PREEMPTED,
+    RUN_STATUS_FILE,
+    RUNNING,
+    TERMINATED,
+    read_json,
+    write_json_atomic,
+)
 
 #: Words of a collective/rendezvous timeout in gloo, NCCL and torch.distributed messages.
 _TIMEOUT = re.compile(r"timed?[ -]?out|timeout|deadline exceeded", re.IGNORECASE)
@@ -246,8 +256,6 @@ def summarize_from_files(plan: Any, exit_code: int) -> dict[str, Any]:
     import glob
     import os
     import sys
-
-    from torchrig.launch.status import RUN_STATUS_FILE, read_json, write_json_atomic
 
     records = []
     for path in sorted(glob.glob(os.path.join(plan.log_dir, "rank-*.status.json"))):

@@ -44,7 +44,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from torchrig import preemption
+from torchrig import preemption, run_status
 from torchrig.launch import status as _status
 from torchrig.launch.supervisor import supervise
 from torchrig.utils.environment import process_is_alive
@@ -186,7 +186,7 @@ class _Watch(threading.Thread):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        _status._set_current(None)
+        run_status._set_current(None)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         """SIGINT -> KeyboardInterrupt (as Python does), SIGTERM/SIGHUP -> :class:`Terminated`;
@@ -409,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         node_rank=_env_int("GROUP_RANK", 0), attempt=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
         host=socket.gethostname(), mode=mode, command=[target, *args],
     )
-    _status._set_current(status)
+    run_status._set_current(status)
     watch = _Watch(status, float(opts.get("stop_grace", STOP_GRACE_S)))
     early = [name for name in opts.get("preemption_signals", "").split(",") if name]
     if early:  # before the script: a scheduler's warning during its imports is kept, not fatal

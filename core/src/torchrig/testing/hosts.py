@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.metadata as md
 from collections.abc import Iterable, Mapping
 
+from torchrig.defaults import training as training_defaults
 from torchrig.discovery import installed_distributions
-from torchrig.plugin_manager import PluginHost
+from torchrig.launch import defaults as launch_defaults
+from torchrig.plugin_host import PluginHost
 
 
 def make_host(
@@ -15,11 +17,15 @@ def make_host(
     disabled: Iterable[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> PluginHost:
-    """A fresh :class:`~torchrig.plugin_manager.PluginHost` over the installed distributions
+    """A fresh :class:`~torchrig.plugin_host.PluginHost` over the installed distributions
     (unless ``include_installed=False``) plus ``fake_distributions``. ``environ`` defaults to an
-    empty mapping so the caller's ``TORCHRIG_DISABLE_PLUGINS`` does not leak into tests."""
+    empty mapping so the caller's ``TORCHRIG_DISABLE_PLUGINS`` does not leak into tests. Every
+    family of the core's defaults is registered, as in a training run and the launcher."""
     dists = [*installed_distributions(), *fake_distributions] if include_installed else list(fake_distributions)
-    return PluginHost(dists, disabled=disabled, environ={} if environ is None else environ)
+    host = PluginHost(dists, disabled=disabled, environ={} if environ is None else environ)
+    training_defaults.register(host)
+    launch_defaults.register(host)
+    return host
 
 
 __all__ = ["make_host"]

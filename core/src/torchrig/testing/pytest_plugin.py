@@ -61,6 +61,7 @@ def fake_modules() -> Iterator[FakeModules]:
 @pytest.fixture(scope="session")
 def gloo_pool() -> Iterator[Any]:
     """A 2-rank gloo pool shared by the whole session; no worker may outlive it."""
+    # Imported when used: this plugin loads at every pytest start (-p), and the pool needs torch.
     from torchrig.testing.pool import WorkerPool
     from torchrig.testing.processes import leftover_processes
 

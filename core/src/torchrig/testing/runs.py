@@ -50,6 +50,7 @@ def tiny_run(*, steps: int = 3, cpu: bool = True, lr: float = 0.1, environ: dict
     """Train the tiny model for ``steps`` micro-steps with ``Accelerator(cpu=cpu, **accelerator_kwargs)``
     (``strategy=``, ``mixed_precision=``, ``gradient_accumulation_steps=``, ``kwargs_handlers=``...),
     with ``environ`` (e.g. ``{"TORCHRIG_DEVICE": "xpu"}``) set for the duration."""
+    # Imported when called: torchrig.testing stays torch-free to import (its package docstring).
     import torch
 
     from torchrig import Accelerator

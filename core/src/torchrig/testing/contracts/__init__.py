@@ -21,6 +21,9 @@ TrackerContract      ``tracker``, ``environment``,          one process
 
 Fixtures come from the opt-in pytest plugin: ``-p torchrig.testing.pytest_plugin`` (or
 ``addopts`` in the plugin's ``pyproject.toml``). See docs/plugins.md, "Testing a plugin".
+
+The suites import torch and the Accelerator inside the tests and tasks, not at the top: collecting
+a plugin's tests stays cheap and torch-free (testing is the top layer: no import here dodges a cycle).
 """
 
 from __future__ import annotations

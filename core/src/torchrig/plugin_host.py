@@ -31,6 +31,8 @@ import attrs
 import pluggy
 
 from torchrig import hookspecs
+from torchrig.defaults.configuration import NAME as DEFAULTS_NAME
+from torchrig.defaults.configuration import ConfigurationDefaults
 from torchrig.discovery import PluginRecord, installed_distributions, load_reference, normalize_distribution_name, scan
 from torchrig.errors import (
     PluginAPIVersionError,
@@ -47,9 +49,6 @@ from torchrig.markers import PROJECT_NAME
 #: Environment variable listing disabled plugins: ``"tracker:wandb,deepspeed"`` (a bare name
 #: disables that name in every kind).
 DISABLE_ENV = "TORCHRIG_DISABLE_PLUGINS"
-
-#: The pluggy name of the core's default implementations (every firstresult hook's ``trylast``).
-DEFAULTS_NAME = "core:defaults"
 
 
 def _call_alone(caller: Any, firstresult: bool, kwargs: dict[str, Any]) -> Any:
@@ -130,6 +129,9 @@ class PluginHost:
 
     ``distributions`` replaces the installed distributions (tests pass fake ones; see
     :mod:`torchrig.testing`); ``disabled`` adds to the ``TORCHRIG_DISABLE_PLUGINS`` list.
+    Wraps a :class:`pluggy.PluginManager` (``pm``). Registers only the torch-free configuration
+    defaults; the runtime's and the launcher's default families are registered by whoever runs
+    those hooks (:mod:`torchrig.defaults`), so the host never imports a layer above it.
     """
 
     def __init__(
@@ -151,9 +153,7 @@ class PluginHost:
             info = self._infos.setdefault(record.key, PluginInfo(record.kind, record.name, []))
             info.records.append(record)
         if register_defaults:
-            from torchrig.defaults import CoreDefaults
-
-            self.register(CoreDefaults(), DEFAULTS_NAME)
+            self.register(ConfigurationDefaults(), DEFAULTS_NAME)
         for info in self._ordered(self._infos.values()):
             self._load_manifest(info)
 
@@ -259,6 +259,12 @@ class PluginHost:
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {name!r} does not match torchrig's hook specs: {exc}") from exc
         self.generation += 1
+
+    def register_default(self, plugin: Any, name: str) -> None:
+        """Register a family of the core's defaults (:mod:`torchrig.defaults`) unless it is already
+        there: whoever builds a host that calls a family's hooks registers it, once."""
+        if not self.pm.has_plugin(name):
+            self.register(plugin, name)
 
     def unregister(self, name: str) -> None:
         self.pm.unregister(name=name)

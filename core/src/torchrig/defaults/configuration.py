@@ -1,0 +1,48 @@
+"""The core's torch-free defaults: configuration sections, cluster, requeue, memory estimate and
+worker environment. Registered as ``"core:defaults"`` by every
+:class:`~torchrig.plugin_host.PluginHost` (the CLI's too, so this module never imports torch)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from torchrig.config.options import CORE_SECTIONS
+from torchrig.markers import hookimpl
+from torchrig.memory import MemoryEstimate, MemoryRequest, replicated_estimate
+from torchrig.types import ClusterInfo, LaunchPlan
+
+#: The pluggy name of this family (``torchrig config`` calls its sections "the core").
+NAME = "core:defaults"
+
+
+class ConfigurationDefaults:
+    """What the core answers before any runtime exists (launcher, CLI, workers)."""
+
+    @hookimpl
+    def torchrig_config_sections(self) -> list[Any]:
+        return list(CORE_SECTIONS)
+
+    @hookimpl(trylast=True)
+    def torchrig_detect_cluster(self, environ: Mapping[str, str]) -> ClusterInfo:
+        return ClusterInfo()
+
+    @hookimpl(trylast=True)
+    def torchrig_requeue_command(self, environ: Mapping[str, str]) -> list[str]:
+        return []
+
+    @hookimpl(trylast=True)
+    def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
+        return replicated_estimate(request, request.strategy, f"{request.strategy} (replicated: everything whole)")
+
+    @hookimpl
+    def torchrig_worker_environment(self, plan: LaunchPlan) -> dict[str, str]:
+        """One OpenMP thread per core share: N workers on few cores otherwise oversubscribe."""
+        if "OMP_NUM_THREADS" in os.environ or plan.nproc_per_node <= 1:
+            return {}
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return {"OMP_NUM_THREADS": str(max(1, cores // plan.nproc_per_node))}
+
+
+__all__ = ["NAME", "ConfigurationDefaults"]
