@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from torchrig.checkpoint import faults
+from torchrig.checkpoint import faults, hashed_safetensors
 from torchrig.errors import TorchrigError
 
 #: Bytes hashed per ``read`` when a file written by a library is hashed afterwards.
@@ -179,9 +179,9 @@ class CheckpointWriter:
         #: CPU buffers of deferred writes, reused by the next asynchronous save (see _snapshot).
         self.staging = staging if staging is not None else {}
         self._records: dict[str, FileRecord] = {}
-        self._pending: list[tuple[str, Callable[[Any, Any], None], Any, str | None, bool]] = []
+        self._pending: list[tuple[str, Callable[[Any, Any], None], Any, str | None, Callable[[str, Any], str] | None]] = []
         self._unsynced: list[str] = []  # written on the fast path, fsynced in records()
-        self._hashing: dict[str, _BackgroundHash | _FollowingHash] = {}  # written on the fast path, hashed in the background
+        self._hashing: dict[str, _BackgroundHash] = {}  # written on the fast path, hashed in the background
         self._lock = threading.Lock()
 
     # -- writing ---------------------------------------------------------------------------
@@ -206,7 +206,11 @@ class CheckpointWriter:
                 target.write(save(dict(value), metadata=extra))
 
         tensors = {key: value.contiguous() for key, value in tensors.items()}
-        return self._write(name, write, tensors, fault_phase, sequential=True)
+        hashed_write = None
+        if hashed_safetensors.supported(tensors):
+            def hashed_write(path: str, value: Mapping[str, Any]) -> str:
+                return hashed_safetensors.write_hashed(path, value, metadata=extra)
+        return self._write(name, write, tensors, fault_phase, hashed_write=hashed_write)
 
     def record(self, name: str) -> FileRecord:
         """Account for a file a library wrote into the directory itself: fsync, size, hash."""
@@ -219,38 +223,35 @@ class CheckpointWriter:
         return record
 
     def _write(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None,
-               sequential: bool = False) -> str:
+               hashed_write: Callable[[str, Any], str] | None = None) -> str:
         name = _normalise(name)
         if self.deferred:
-            self._pending.append((name, write, _snapshot(value, self.staging, name), fault_phase, sequential))
+            self._pending.append((name, write, _snapshot(value, self.staging, name), fault_phase, hashed_write))
         else:
-            self._write_now(name, write, value, fault_phase, sequential)
+            self._write_now(name, write, value, fault_phase, hashed_write)
         return name
 
     def _write_now(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None,
-                   sequential: bool = False) -> None:
+                   hashed_write: Callable[[str, Any], str] | None = None) -> None:
         path = os.path.join(self.directory, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if not (fault_phase and faults.armed(fault_phase, self.rank)):
             # Fast path: the library writes the file itself; its fsync waits for records(), so the
             # kernel writes this file back while the next one is being written. With hashing, a
-            # thread hashes the file from the page cache: following the writer while it writes
-            # when the format is written front to back (safetensors), else once it is written.
-            # Writers and sha256 release the GIL, so hashing runs beside them on another core.
-            follower = _FollowingHash(path) if self.hashing and sequential else None
+            # format that can be hashed while it is written is (hashed_write: safetensors, see
+            # checkpoint.hashed_safetensors); any other file is hashed by a thread once written,
+            # beside the next file's write (sha256 releases the GIL).
+            digest: str | None = None
             try:
-                write(path, value)
+                if self.hashing and hashed_write is not None:
+                    digest = hashed_write(path, value)
+                else:
+                    write(path, value)
             except Exception as exc:  # OSError, torch.save's RuntimeError, safetensors' SafetensorError
-                if follower is not None:
-                    follower.abandon()
                 raise CheckpointError(describe_write_failure(exc, path)) from exc
-            except BaseException:
-                if follower is not None:
-                    follower.abandon()
-                raise
-            hasher = follower.written() if follower is not None else _BackgroundHash(path) if self.hashing else None
+            hasher = _BackgroundHash(path) if self.hashing and digest is None else None
             with self._lock:
-                self._records[name] = FileRecord(path=name, size=os.path.getsize(path), rank=self.rank)
+                self._records[name] = FileRecord(path=name, size=os.path.getsize(path), sha256=digest, rank=self.rank)
                 self._unsynced.append(path)
                 if hasher is not None:
                     self._hashing[name] = hasher
@@ -280,8 +281,8 @@ class CheckpointWriter:
     def flush(self) -> None:
         """Write what was deferred (the background half of an asynchronous save)."""
         pending, self._pending = self._pending, []
-        for name, write, value, fault_phase, sequential in pending:
-            self._write_now(name, write, value, fault_phase, sequential)
+        for name, write, value, fault_phase, hashed_write in pending:
+            self._write_now(name, write, value, fault_phase, hashed_write)
 
     def records(self, extra: list[str] | None = None) -> list[FileRecord]:
         """Every file this rank wrote, each fsynced by now; ``extra`` names files written
@@ -330,74 +331,6 @@ class _BackgroundHash:
         if self._error is not None:
             raise CheckpointError(describe_os_error(self._error, self.path)) from self._error
         assert self._digest is not None
-        return self._digest
-
-
-class _FollowingHash:
-    """sha256 of a file computed while a library writes it front to back: a thread reads behind
-    the writer (from the page cache) until told the write is over. If what it read is not the
-    whole file in the end (a writer that truncated, renamed or rewrote), the file is hashed
-    again from disk — the digest is always of the bytes on disk."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._done = threading.Event()
-        self._digest: str | None = None
-        self._length = -1
-        self._error: OSError | None = None
-        self._handle: Any = None
-        self._thread: threading.Thread | None = None
-        try:
-            with open(path, "wb"):  # exists before the writer opens it, so the reader can follow
-                pass
-            self._handle = open(path, "rb", buffering=0)
-            self._thread = threading.Thread(target=self._run, name="torchrig-hash", daemon=True)
-            self._thread.start()
-        except (OSError, RuntimeError):  # no thread at interpreter shutdown: hashed after the write
-            self._thread = None
-
-    def _run(self) -> None:
-        digest, length = hashlib.sha256(), 0
-        buffer = bytearray(_READ_CHUNK)
-        view = memoryview(buffer)
-        try:
-            while True:
-                finished = self._done.is_set()  # checked before reading: nothing is written after it
-                count = self._handle.readinto(buffer)
-                if count:
-                    digest.update(view[:count])
-                    length += count
-                elif finished:
-                    break
-                else:
-                    self._done.wait(0.002)
-            self._digest, self._length = digest.hexdigest(), length
-        except OSError as exc:
-            self._error = exc
-        finally:
-            view.release()
-            self._handle.close()
-
-    def written(self) -> _FollowingHash:
-        """The writer is done: the reader reads to the end."""
-        self._done.set()
-        return self
-
-    def abandon(self) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def result(self) -> str:
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None:
-            raise CheckpointError(describe_os_error(self._error, self.path)) from self._error
-        try:
-            if self._digest is None or self._length != os.path.getsize(self.path):
-                return hash_file(self.path)
-        except OSError as exc:
-            raise CheckpointError(describe_os_error(exc, self.path)) from exc
         return self._digest
 
 
