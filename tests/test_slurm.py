@@ -62,3 +62,75 @@ def test_the_slurm_plugin_reads_the_variables_a_real_srun_sets(slurm: SlurmTestC
         assert info["master_addr"] == slurm.host, info
         assert 10000 <= info["master_port"] < 30000, info
     assert infos[0]["master_port"] == infos[1]["master_port"]
+
+
+def write_script(path: pathlib.Path, *lines: str) -> str:
+    path.write_text("#!/bin/bash\nset -e\n" + "\n".join(lines) + "\n")
+    return str(path)
+
+
+def results(out: pathlib.Path) -> list[dict]:
+    return [json.loads((out / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def assert_trained_together(ranks: list[dict], source: str) -> None:
+    for rank, seen in enumerate(ranks):
+        assert seen["rank"] == rank and seen["num_processes"] == 2 and seen["source"] == source, seen
+        assert seen["distributed_type"] == "MULTI_CPU" and seen["reduced"] == 3.0, seen
+    assert ranks[0]["weights"] == ranks[1]["weights"], "DDP must leave identical weights on both ranks"
+
+
+def run_batch(slurm: SlurmTestCluster, tmp_path: pathlib.Path, body: str, *options: str) -> dict[str, str]:
+    script = write_script(tmp_path / "job.sh", body)
+    job = slurm.sbatch(script, "-J", "train", "-o", str(tmp_path / "slurm-%j.out"), *options, cwd=str(tmp_path),
+                       env=worker_env())
+    return slurm.wait_state(job, {"COMPLETED"}, timeout=150)
+
+
+LAUNCH = f"{sys.executable} -m torchrig.launch"
+
+
+@pytest.mark.timeout(180)
+def test_sbatch_srun_trains_two_slurm_tasks(slurm: SlurmTestCluster, tmp_path):
+    record = run_batch(slurm, tmp_path, f"srun {sys.executable} -u {WORKER} plain {tmp_path}", "-n2")
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", record
+    assert_trained_together(results(tmp_path), "slurm")
+
+
+@pytest.mark.timeout(180)
+def test_torchrig_launch_in_a_batch_script_hands_the_allocation_to_srun(slurm: SlurmTestCluster, tmp_path):
+    record = run_batch(slurm, tmp_path, f"{LAUNCH} {WORKER} plain {tmp_path}", "-n2")
+    output = slurm.output(record)
+    assert "handing off to srun: srun --nodes=1 --ntasks-per-node=2 --ntasks=2" in output, output
+    ranks = results(tmp_path)
+    assert_trained_together(ranks, "slurm")
+    assert all(seen["environ"]["TORCHELASTIC_RUN_ID"] is None for seen in ranks), ranks
+
+
+@pytest.mark.timeout(180)
+def test_srun_torchrig_launch_is_the_node_agent_of_torch_elastic(slurm: SlurmTestCluster, tmp_path):
+    record = run_batch(slurm, tmp_path, f"srun {LAUNCH} --num_processes 2 {WORKER} plain {tmp_path}", "-n1", "-c2")
+    assert "handing off" not in slurm.output(record)
+    ranks = results(tmp_path)
+    assert_trained_together(ranks, "torchelastic")
+    assert all(seen["environ"]["TORCHELASTIC_RUN_ID"] for seen in ranks), ranks
+
+
+def submit(slurm: SlurmTestCluster, tmp_path: pathlib.Path, *args: str, env: dict[str, str] | None = None) -> int:
+    """``torchrig launch --cluster slurm ...`` from outside any allocation; the job id it printed."""
+    proc = slurm.run([sys.executable, "-m", "torchrig.launch", "--cluster", "slurm", *args], cwd=str(tmp_path),
+                     env=worker_env(**(env or {})), timeout=90)
+    line = next((line for line in proc.stdout.splitlines() if "submitted Slurm job" in line), None)
+    assert line is not None, proc.stdout + proc.stderr
+    assert "squeue -j" in proc.stdout and "tail -f" in proc.stdout, proc.stdout
+    return int(line.split("submitted Slurm job ", 1)[1].split()[0])
+
+
+@pytest.mark.timeout(180)
+def test_launch_cluster_slurm_submits_a_batch_job_that_trains(slurm: SlurmTestCluster, tmp_path):
+    job = submit(slurm, tmp_path, "--num_processes", "2", str(WORKER), "plain", str(tmp_path),
+                 env={"TORCHRIG_SLURM__JOB_NAME": "submitted", "TORCHRIG_SLURM__TIME": "10"})
+    record = slurm.wait_state(job, {"COMPLETED"}, timeout=150)
+    assert (record["JobName"], record["NumTasks"], record["TimeLimit"]) == ("submitted", "2", "00:10:00"), record
+    assert record["StdOut"].endswith(f"slurm-{job}.out") and "torchrig_logs" in record["StdOut"], record
+    assert_trained_together(results(tmp_path), "slurm")
