@@ -274,6 +274,24 @@ class SlurmTestCluster:
             time.sleep(0.3)
         raise AssertionError(f"job {job_id} not in {sorted(wanted)} after {timeout:g}s: {record}\n{self.output(record)}")
 
+    def release_requeued(self, job_id: int, timeout: float) -> dict[str, str]:
+        """Wait until the job was requeued (pending again, ``Restarts`` >= 1), then let it start now.
+
+        slurmctld holds a requeued batch job for about two minutes (its begin time becomes now +
+        121 s, not configurable); a real cluster waits that long, a test need not."""
+        deadline = time.monotonic() + timeout
+        record: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            record = self.job(job_id)
+            if record.get("JobState") == "PENDING" and int(record.get("Restarts", "0")) >= 1:
+                self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+                return record
+            if record.get("JobState") in FINISHED_STATES:
+                raise AssertionError(f"job {job_id} ended {record['JobState']} instead of being requeued: {record}\n"
+                                     f"{self.output(record)}")
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} was not requeued in {timeout:g}s: {record}\n{self.output(record)}")
+
     def output(self, record: Mapping[str, str]) -> str:
         """The job's stdout (and stderr when separate) file contents."""
         texts = []

@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 import pytest
 from slurm_cluster import SlurmTestCluster, Unavailable
@@ -134,3 +135,41 @@ def test_launch_cluster_slurm_submits_a_batch_job_that_trains(slurm: SlurmTestCl
     assert (record["JobName"], record["NumTasks"], record["TimeLimit"]) == ("submitted", "2", "00:10:00"), record
     assert record["StdOut"].endswith(f"slurm-{job}.out") and "torchrig_logs" in record["StdOut"], record
     assert_trained_together(results(tmp_path), "slurm")
+
+
+def wait_for_steps(log: pathlib.Path, steps: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and len(log.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{log} did not reach {steps} steps in {timeout:g}s")
+
+
+@pytest.mark.timeout(300)
+def test_a_preempted_job_checkpoints_requeues_and_resumes_bit_identically(slurm: SlurmTestCluster, tmp_path):
+    import torch
+
+    preemption = {"TORCHRIG_PREEMPTION__SIGNALS": "SIGUSR1", "TORCHRIG_PREEMPTION__REQUEUE": "true"}
+    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    for project in (straight, preempted):
+        project.mkdir()
+    args = ["--num_processes", "2", str(PREEMPTIBLE), "--steps", "30", "--delay", "0.25"]
+    job = submit(slurm, tmp_path, *args[:3], str(preempted), *args[3:], env=preemption)
+    wait_for_steps(preempted / "log-rank0.jsonl", 5, timeout=90)
+    slurm.run(["scancel", "--signal=USR1", str(job)])  # to the tasks of the job's steps, as --signal=USR1@N does
+    pending = slurm.release_requeued(job, timeout=60)
+    assert pending["Reason"] == "BeginTime", pending  # requeued by the job itself (scontrol requeue), held by Slurm
+    committed = sorted(p.name for p in (preempted / "checkpoints").iterdir())
+    assert committed, "the preemption checkpoint must be committed before the job is requeued"
+    record = slurm.wait_state(job, {"COMPLETED"}, timeout=120)
+    output = slurm.output(record)
+    assert int(record["Restarts"]) == 1, record
+    resumed = sorted({int(line.split()[-1]) for line in output.splitlines() if line.startswith("resumed at step")})
+    assert len(resumed) == 1 and 5 <= resumed[0] < 30, output
+
+    reference = submit(slurm, tmp_path, *args[:3], str(straight), *args[3:], env=preemption)
+    slurm.wait_state(reference, {"COMPLETED"}, timeout=150)
+    a = torch.load(straight / "final.pt", weights_only=True)["params"]
+    b = torch.load(preempted / "final.pt", weights_only=True)["params"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed run must equal a straight one"
