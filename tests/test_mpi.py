@@ -40,6 +40,8 @@ def test_launch_cluster_mpi_trains_two_ranks_started_by_mpirun(tmp_path, process
     output = log.read_text()
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{output[-4000:]}"
     assert "handing off to mpirun: mpirun -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" in output, output
+    status = json.loads((tmp_path / "logs" / "run_status.json").read_text())
+    assert (status["state"], status["exit_code"], status["plan"]["handed_off_to"]) == ("finished", 0, "mpirun"), status
     ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
     for rank, seen in enumerate(ranks):
         assert seen["rank"] == rank and seen["num_processes"] == 2 and seen["source"] == "mpi", seen

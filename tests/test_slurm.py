@@ -103,6 +103,8 @@ def test_torchrig_launch_in_a_batch_script_hands_the_allocation_to_srun(slurm: S
     record = run_batch(slurm, tmp_path, f"{LAUNCH} {WORKER} plain {tmp_path}", "-n2")
     output = slurm.output(record)
     assert "handing off to srun: srun --nodes=1 --ntasks-per-node=2 --ntasks=2" in output, output
+    status = json.loads(next((tmp_path / "torchrig_logs").glob("*/run_status.json")).read_text())
+    assert (status["state"], status["exit_code"], status["plan"]["handed_off_to"]) == ("finished", 0, "srun"), status
     ranks = results(tmp_path)
     assert_trained_together(ranks, "slurm")
     assert all(seen["environ"]["TORCHELASTIC_RUN_ID"] is None for seen in ranks), ranks
@@ -134,6 +136,8 @@ def test_launch_cluster_slurm_submits_a_batch_job_that_trains(slurm: SlurmTestCl
     record = slurm.wait_state(job, {"COMPLETED"}, timeout=150)
     assert (record["JobName"], record["NumTasks"], record["TimeLimit"]) == ("submitted", "2", "00:10:00"), record
     assert record["StdOut"].endswith(f"slurm-{job}.out") and "torchrig_logs" in record["StdOut"], record
+    status = json.loads((pathlib.Path(record["StdOut"]).parent / "run_status.json").read_text())
+    assert (status["state"], status["headline"]) == ("submitted", f"submitted Slurm job {job}"), status
     assert_trained_together(results(tmp_path), "slurm")
 
 

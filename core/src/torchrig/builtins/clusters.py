@@ -345,7 +345,7 @@ class SlurmCluster:
         """Hand off to Slurm where :func:`slurm_launch_mode` says so; else torch elastic starts the workers."""
         mode = slurm_launch_mode(plan, os.environ)
         if mode == "srun":
-            return run_forwarding(allocation_srun(plan, os.environ), {**os.environ, **plan.env}, what="srun")
+            return run_forwarding(plan, allocation_srun(plan, os.environ), what="srun")
         return submit(plan) if mode == "sbatch" else None
 
     @hookimpl

@@ -25,9 +25,21 @@ from typing import Any
 import attrs
 
 from torchrig.config.schema import at_least, between, option
+from torchrig.launch.status import (
+    FAILED,
+    FINISHED,
+    INTERRUPTED,
+    PREEMPTED,
+    RUN_STATUS_FILE,
+    TERMINATED,
+    write_json_atomic,
+)
+from torchrig.launch.summary import run_status
 from torchrig.types import LaunchPlan
 
 PROG = "torchrig launch"
+#: ``run_status.json``'s state after ``--cluster slurm`` submitted the job (Slurm runs it later).
+SUBMITTED = "submitted"
 
 # --------------------------------------------------------------------------------------------
 # Options: the `slurm` and `mpi` configuration sections
@@ -298,6 +310,7 @@ def submit(plan: LaunchPlan) -> int:
               file=sys.stderr, flush=True)
         return 1
     job = proc.stdout.strip().split(";")[0]
+    record_handoff(plan, ["sbatch", path], "sbatch", state=SUBMITTED, exit_code=0, headline=f"submitted Slurm job {job}")
     output = next(line.split("=", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH --output="))
     print(f"{PROG}: submitted Slurm job {job} (script {path})", flush=True)
     print(f"{PROG}: follow it with `squeue -j {job}` and `tail -f {output.replace('%j', job)}`; "
@@ -344,7 +357,7 @@ def run_mpirun(plan: LaunchPlan) -> int:
     if shutil.which(command[0]) is None:
         raise FileNotFoundError("mpirun is not on PATH: install Open MPI (Debian: openmpi-bin) or drop "
                                 "`--cluster mpi` to start the workers with torch elastic")
-    return run_forwarding(command, {**os.environ, **plan.env}, what="mpirun")
+    return run_forwarding(plan, command, what="mpirun")
 
 
 def describe_mpi(plan: LaunchPlan) -> str:
@@ -360,10 +373,11 @@ def describe_mpi(plan: LaunchPlan) -> str:
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
-def run_forwarding(command: Sequence[str], env: Mapping[str, str], *, what: str) -> int:
-    """Run the cluster's launcher in the foreground, forwarding stop and preemption signals; its exit code."""
+def run_forwarding(plan: LaunchPlan, command: Sequence[str], *, what: str) -> int:
+    """Run the cluster's launcher in the foreground, forwarding stop and preemption signals;
+    record its exit in ``run_status.json``; return its exit code."""
     print(f"{PROG}: handing off to {what}: {shlex.join(command)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(list(command), env=dict(env))
+    proc = subprocess.Popen(list(command), env={**os.environ, **plan.env})
     previous = {}
 
     def forward(signum: int, frame: Any) -> None:
@@ -373,10 +387,29 @@ def run_forwarding(command: Sequence[str], env: Mapping[str, str], *, what: str)
     for signum in FORWARDED_SIGNALS:
         previous[signum] = signal.signal(signum, forward)
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    preempted = plan.config.get("preemption.exit_code") if plan.config is not None else None
+    state = {0: FINISHED, 130: INTERRUPTED, 143: TERMINATED, preempted: PREEMPTED}.get(code, FAILED)
+    record_handoff(plan, command, what, state=state, exit_code=code,
+                   headline=f"{what} exited with code {code}; the ranks' output is {what}'s")
+    return code
+
+
+def record_handoff(plan: LaunchPlan, command: Sequence[str], what: str, *, state: str, exit_code: int,
+                   headline: str) -> None:
+    """``run_status.json`` of a launch handed to a cluster's launcher: there are no per-rank status
+    files (the ranks run the user's command, not torchrig's wrapper), so only the outcome."""
+    if not plan.log_dir:
+        return
+    os.makedirs(plan.log_dir, exist_ok=True)
+    report = run_status(run_id=os.path.basename(os.path.normpath(plan.log_dir)), state=state, exit_code=exit_code,
+                        attempts=[], plan={"max_restarts": 0, "handed_off_to": what, "command": list(command)},
+                        warnings=list(plan.warnings))
+    report["headline"] = headline
+    write_json_atomic(os.path.join(plan.log_dir, RUN_STATUS_FILE), report)
 
 
 __all__ = ["MPIOptions", "SlurmOptions", "allocation_srun", "describe_mpi", "describe_slurm", "mpirun_command",

@@ -271,19 +271,11 @@ def run_plan(host: PluginHost, plan: LaunchPlan) -> int:
         print(f"{PROG}: the launch failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         code = 1
     code = 1 if code is None else int(code)
-    if plan.log_dir and not os.path.exists(os.path.join(plan.log_dir, RUN_STATUS_FILE)) and _has_rank_status(plan):
+    if plan.log_dir and not os.path.exists(os.path.join(plan.log_dir, RUN_STATUS_FILE)):
         from torchrig.launch.summary import summarize_from_files
 
         summarize_from_files(plan, code)
     return code
-
-
-def _has_rank_status(plan: LaunchPlan) -> bool:
-    """Whether our wrapper ran (its status files exist): a hand-off to srun, sbatch or mpirun
-    runs the user's command itself, and leaves nothing to summarize."""
-    import glob
-
-    return bool(glob.glob(os.path.join(glob.escape(plan.log_dir or ""), "rank-*.status.json")))
 
 
 def _script_command(mode: str, target: str, args: Sequence[str]) -> list[str]:
