@@ -75,6 +75,9 @@ class SlurmTestCluster:
         missing = [b for b in BINARIES if shutil.which(b) is None and not os.path.exists(f"/usr/sbin/{b}")]
         if missing:
             raise Unavailable(f"not installed: {', '.join(missing)} (Debian packages slurm-wlm and munge)")
+        if os.geteuid() != 0:
+            raise Unavailable("slurmd must run as root (it starts each job as its user); the tests run as "
+                              f"uid {os.geteuid()}")
         for sub in ("munge", "log", "state", "spool", "run"):
             os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
         try:
@@ -117,7 +120,7 @@ class SlurmTestCluster:
         r = self.root
         lines = [
             "ClusterName=torchrigtest",
-            f"SlurmctldHost={self.host}",
+            f"SlurmctldHost={self.host}(127.0.0.1)",  # the host name need not resolve
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
             "SlurmUser=root",
