@@ -187,7 +187,7 @@ class LaunchPlan:
     cluster: str | None = None
     #: The resolved configuration (a :class:`torchrig.config.resolve.ResolvedConfig`): a launching
     #: plugin reads its own section from it (``plan.config.section_of(SlurmOptions)``).
-    config: Any = None
+    config: Any = attrs.field(default=None, eq=False, repr=False)
     #: ``torchrig launch --dry-run``: print what would be started (a cluster plugin: the
     #: ``sbatch`` script or ``mpirun`` line) and start nothing.
     dry_run: bool = False
