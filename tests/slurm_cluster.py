@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 #: The binaries the fixture needs (Debian: slurm-wlm, munge).
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
 START_TIMEOUT_S = 30.0
+#: Lifetime of job credentials; a requeued job may start again after it (``AuthInfo=cred_expire``).
+CRED_EXPIRE_S = 10
 COMMAND_TIMEOUT_S = 30.0
 FINISHED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                              "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
@@ -127,7 +129,8 @@ class SlurmTestCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire: how long a requeued job is held (cred_expire + 1 s; Slurm's default 120 s)
+            f"AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}",
             f"StateSaveLocation={r}/state",
             f"SlurmdSpoolDir={r}/spool",
             f"SlurmctldPidFile={r}/run/slurmctld.pid",
@@ -277,17 +280,14 @@ class SlurmTestCluster:
             time.sleep(0.3)
         raise AssertionError(f"job {job_id} not in {sorted(wanted)} after {timeout:g}s: {record}\n{self.output(record)}")
 
-    def release_requeued(self, job_id: int, timeout: float) -> dict[str, str]:
-        """Wait until the job was requeued (pending again, ``Restarts`` >= 1), then let it start now.
-
-        slurmctld holds a requeued batch job for about two minutes (its begin time becomes now +
-        121 s, not configurable); a real cluster waits that long, a test need not."""
+    def wait_requeued(self, job_id: int, timeout: float) -> dict[str, str]:
+        """Wait until the job was requeued: pending again with ``Restarts`` >= 1 (Slurm then holds it
+        for ``cred_expire`` + 1 s, reason ``BeginTime``, before it may start again)."""
         deadline = time.monotonic() + timeout
         record: dict[str, str] = {}
         while time.monotonic() < deadline:
             record = self.job(job_id)
             if record.get("JobState") == "PENDING" and int(record.get("Restarts", "0")) >= 1:
-                self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
                 return record
             if record.get("JobState") in FINISHED_STATES:
                 raise AssertionError(f"job {job_id} ended {record['JobState']} instead of being requeued: {record}\n"

@@ -162,7 +162,7 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_bit_identically(slurm:
     job = submit(slurm, tmp_path, *args[:3], str(preempted), *args[3:], env=preemption)
     wait_for_steps(preempted / "log-rank0.jsonl", 5, timeout=90)
     slurm.run(["scancel", "--signal=USR1", str(job)])  # to the tasks of the job's steps, as --signal=USR1@N does
-    pending = slurm.release_requeued(job, timeout=60)
+    pending = slurm.wait_requeued(job, timeout=60)
     assert pending["Reason"] == "BeginTime", pending  # requeued by the job itself (scontrol requeue), held by Slurm
     committed = sorted(p.name for p in (preempted / "checkpoints").iterdir())
     assert committed, "the preemption checkpoint must be committed before the job is requeued"
