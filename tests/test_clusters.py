@@ -15,14 +15,16 @@ import attrs
 import pytest
 from torchrig.builtins.clusters import (
     expand_hostlist,
+    mpi_hands_off,
     mpirun_command,
     parse_tasks_per_node,
+    slurm_launch_mode,
     slurm_master_port,
     srun_command,
 )
 from torchrig.plugin_host import PluginStatus
 from torchrig.testing import make_host
-from torchrig.types import ClusterInfo
+from torchrig.types import ClusterInfo, LaunchPlan
 
 SHELL = {"HOME": "/home/ada", "PATH": "/opt/venv/bin:/usr/bin:/bin", "USER": "ada", "LANG": "C.UTF-8"}
 
@@ -661,3 +663,30 @@ class TestLocalContract(ClusterContract):
     priority = -100
     environments = [(SHELL, {"rank": 0, "world_size": 1, "master_addr": None}), ({}, {"world_size": 1}),
                     (LEFTOVERS, {"rank": 0, "world_size": 1}), (SLURM_SBATCH_SRUN_TASK5, {"world_size": 1})]
+
+
+# -- torchrig launch: does the slurm / mpi plugin take the launch? (recorded environments) ---------
+
+
+@pytest.mark.parametrize(("environ", "cluster", "mode"), [
+    (SHELL, None, None),                          # a workstation: torch elastic
+    (SHELL, "slurm", "sbatch"),                   # a login node, --cluster slurm: submit
+    (SLURM_BATCH_SCRIPT, None, "srun"),           # the batch script: one srun step over the allocation
+    (SLURM_BATCH_SCRIPT, "slurm", "srun"),
+    (SLURM_SALLOC_SHELL, None, "srun"),           # an salloc shell: the same
+    (SLURM_SBATCH_SRUN_TASK5, None, None),        # srun torchrig launch: this launcher is the node's agent
+    (SLURM_SRUN_PTY_BASH, None, None),            # srun --pty bash: a step holds the resources already
+    (TORCHRUN_IN_SLURM_WORKER6, None, None),      # a torch elastic worker inside the allocation
+    (OPENMPI_IN_SLURM_RANK3, None, None),         # an MPI rank inside the allocation (its own step)
+])
+def test_where_torchrig_launch_hands_off_to_slurm(environ, cluster, mode):
+    assert slurm_launch_mode(LaunchPlan(command=["x"], cluster=cluster), environ) == mode
+
+
+@pytest.mark.parametrize(("environ", "cluster", "hands_off"), [
+    (SHELL, "mpi", True), (SHELL, None, False), (SHELL, "slurm", False),
+    (OPENMPI_2X2_RANK2, "mpi", False),            # mpirun torchrig launch: already an MPI rank
+    (INTEL_MPI_RANK6, "mpi", False),
+])
+def test_where_torchrig_launch_hands_off_to_mpirun(environ, cluster, hands_off):
+    assert mpi_hands_off(LaunchPlan(command=["x"], cluster=cluster), environ) is hands_off

@@ -39,7 +39,7 @@ def test_the_catalogue_covers_every_phase():
         "torchrig_strategy_step_plan", "torchrig_wrap_step_plan", "torchrig_save_strategy_state",
         "torchrig_load_strategy_state", "torchrig_full_state_dict", "torchrig_checkpoint_state",
             "torchrig_checkpoint_committed",
-        "torchrig_create_trackers", "torchrig_worker_environment", "torchrig_launch",
+        "torchrig_create_trackers", "torchrig_worker_environment", "torchrig_launch", "torchrig_describe_launch",
         "torchrig_configure", "torchrig_unconfigure", "torchrig_estimate_memory",
     }
     assert set(SPEC_NAMES) == expected

@@ -98,4 +98,6 @@ def test_ci_runs_the_readme_test_command():
     block = readme.split("## Test", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
     ci = [line for line in (REPO / ".ci/run").read_text().splitlines()
           if line.strip() and not line.startswith(("#", "set ", "cd ", "export "))]
-    assert ci == [block], f"README test command {block!r} differs from .ci/run {ci!r}"
+    assert ci[-1:] == [block], f"README test command {block!r} differs from .ci/run's last line {ci!r}"
+    # before it only the system packages of the Slurm/MPI tests, installed tolerantly: never a CI failure
+    assert all("apt-get install" in line and "|| echo" in line for line in ci[:-1]), ci

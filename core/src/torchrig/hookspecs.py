@@ -525,4 +525,20 @@ def torchrig_launch(plan: LaunchPlan) -> int | None:
     - phase: launch. ranks: the launcher. kind: firstresult; wrappers may surround it.
     - return: the launcher's exit code.
     - default: ``torch.distributed.elastic`` (the engine torchrun uses).
+    - A cluster plugin answers where its scheduler should start the ranks instead (the slurm
+      plugin: ``srun`` inside an allocation, ``sbatch`` with ``cluster: slurm`` outside one; the
+      mpi plugin: ``mpirun``), running ``plan.script_command`` once per rank, and returns
+      ``None`` elsewhere.
+    """
+
+
+@hookspec
+def torchrig_describe_launch(plan: LaunchPlan) -> str | None:
+    """What this plugin's ``torchrig_launch`` would start for ``plan``, for ``--dry-run``.
+
+    - phase: launch, ``torchrig launch --dry-run`` only (nothing is started). ranks: the launcher.
+    - kind: collecting; a plugin answers exactly where its ``torchrig_launch`` would take the
+      launch (e.g. the ``sbatch`` script it would submit, the ``mpirun`` line), else ``None``.
+    - return: text printed under "Hand-off" in the dry run.
+    - default: none (torch elastic; the dry run prints each rank's environment).
     """

@@ -177,6 +177,20 @@ class LaunchPlan:
     rdzv_configs: Mapping[str, Any] = attrs.field(factory=dict)
     #: Problems found before the launch that did not stop it; repeated in the summary.
     warnings: Sequence[str] = ()
+    #: The user's own command, without torchrig's per-rank wrapper (``[python, "-u", script,
+    #: *args]``, ``[python, "-u", "-m", module, ...]`` or the ``--no_python`` command): what a
+    #: cluster's launcher (``srun``, ``mpirun``) starts once per rank, on nodes where the
+    #: launcher's pid means nothing.
+    script_command: Sequence[str] = ()
+    #: The ``cluster`` option as configured (``None``: auto-detected), so that a cluster plugin
+    #: hands off only where asked to (``--cluster slurm`` outside an allocation submits a job).
+    cluster: str | None = None
+    #: The resolved configuration (a :class:`torchrig.config.resolve.ResolvedConfig`): a launching
+    #: plugin reads its own section from it (``plan.config.section_of(SlurmOptions)``).
+    config: Any = attrs.field(default=None, eq=False, repr=False)
+    #: ``torchrig launch --dry-run``: print what would be started (a cluster plugin: the
+    #: ``sbatch`` script or ``mpirun`` line) and start nothing.
+    dry_run: bool = False
 
 
 class StashKey(Generic[T]):

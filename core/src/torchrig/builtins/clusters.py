@@ -43,8 +43,10 @@ Why this order:
   In auto-detection it is asked only after every real environment declined, and then answers
   exactly what the core default would (rank 0 of 1), with ``source="local"``.
 
-Launch helpers (used by ``torchrig launch`` when the cluster is Slurm or MPI):
-:func:`srun_command` and :func:`mpirun_command`. Slurm's compressed host lists are expanded by
+Hand-off: where Slurm or MPI should start the ranks (:func:`slurm_launch_mode`,
+:func:`mpi_hands_off`), the plugins' runtime classes in :mod:`torchrig.launch.handoff` (these
+classes plus the launcher's hooks) run the command lines of :mod:`torchrig.builtins.handoff`
+(:func:`srun_command` and :func:`mpirun_command` are re-exported here). Slurm's compressed host lists are expanded by
 :func:`expand_hostlist`. Nothing here imports torch.
 """
 
@@ -53,8 +55,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping, Sequence
 
+from torchrig.builtins.handoff import mpirun_command, srun_command
 from torchrig.markers import hookimpl
-from torchrig.types import ClusterInfo
+from torchrig.types import ClusterInfo, LaunchPlan
 
 # --------------------------------------------------------------------------------------------
 # torchelastic
@@ -328,6 +331,19 @@ class SlurmCluster:
         return ["scontrol", "requeue", job] if job else None
 
 
+def slurm_launch_mode(plan: LaunchPlan, environ: Mapping[str, str]) -> str | None:
+    """What ``torchrig launch`` does with Slurm: ``"srun"`` in a job's batch script or ``salloc``
+    shell (one step over the allocation, one task per rank); ``"sbatch"`` outside any job when
+    ``cluster: slurm`` is configured (submit a batch script); ``None`` — torch elastic starts the
+    workers — in an ``srun`` task (``srun torchrig launch``: this launcher is the node's agent),
+    under torch elastic, and outside a job without ``cluster: slurm``."""
+    if "SLURM_JOB_ID" not in environ and "SLURM_JOBID" not in environ:
+        return "sbatch" if plan.cluster == "slurm" else None
+    if _slurm_step_is_regular(environ) or started_by_elastic(environ):
+        return None
+    return "srun"
+
+
 def slurm_task_recognised(environ: Mapping[str, str]) -> bool:
     """Whether ``environ`` is an ``srun`` task that the slurm plugin describes (see the module table)."""
     if "SLURM_JOB_ID" not in environ and "SLURM_JOBID" not in environ:
@@ -415,37 +431,6 @@ def _slurm_first_host(environ: Mapping[str, str]) -> str:
                      "or SLURM_JOB_NODELIST to take the first host from; export MASTER_ADDR=<host of task 0>")
 
 
-def srun_command(
-    nproc_per_node: int,
-    num_nodes: int,
-    command: Sequence[str],
-    *,
-    cpus_per_task: int | None = None,
-    extra: Sequence[str] = (),
-) -> list[str]:
-    """The ``srun`` command line that starts one Slurm task per training process.
-
-    ``srun --nodes=N --ntasks-per-node=P --ntasks=N*P [--cpus-per-task=C] --kill-on-bad-exit=1
-    *extra *command``. ``command`` is the worker command as in
-    :attr:`~torchrig.types.LaunchPlan.command` (``[python, "-u", script, *args]``); every task
-    runs it and the slurm plugin gives each its rank. ``--kill-on-bad-exit=1`` ends the step
-    when one task fails, instead of leaving the others blocked in a collective. Run it inside
-    an allocation (``sbatch``/``salloc``) of at least ``num_nodes`` nodes.
-    """
-    for name, value in (("nproc_per_node", nproc_per_node), ("num_nodes", num_nodes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"srun_command: {name} must be a positive integer, not {value!r}")
-    if cpus_per_task is not None and (isinstance(cpus_per_task, bool) or not isinstance(cpus_per_task, int) or cpus_per_task < 1):
-        raise ValueError(f"srun_command: cpus_per_task must be a positive integer, not {cpus_per_task!r}")
-    if isinstance(command, str) or not command:
-        raise ValueError("srun_command: command must be a non-empty list of arguments")
-    args = ["srun", f"--nodes={num_nodes}", f"--ntasks-per-node={nproc_per_node}", f"--ntasks={num_nodes * nproc_per_node}"]
-    if cpus_per_task is not None:
-        args.append(f"--cpus-per-task={cpus_per_task}")
-    args.append("--kill-on-bad-exit=1")
-    return [*args, *extra, *command]
-
-
 # --------------------------------------------------------------------------------------------
 # MPI
 # --------------------------------------------------------------------------------------------
@@ -493,6 +478,11 @@ class MPICluster:
         return detect_mpi(environ)
 
 
+def mpi_hands_off(plan: LaunchPlan, environ: Mapping[str, str]) -> bool:
+    """``cluster: mpi`` configured, and this launcher is not itself an MPI rank (``mpirun torchrig launch``)."""
+    return plan.cluster == "mpi" and _mpi_rank_and_size(environ) is None
+
+
 def detect_mpi(environ: Mapping[str, str]) -> ClusterInfo | None:
     """The mpi plugin's answer for ``environ`` (``None`` when no MPI launcher started it)."""
     flavour = next((f for f in _MPI_FLAVOURS if f.rank in environ), None)
@@ -536,67 +526,6 @@ def detect_mpi(environ: Mapping[str, str]) -> ClusterInfo | None:
     )
 
 
-def mpirun_command(
-    nproc: int,
-    command: Sequence[str],
-    *,
-    hosts: Sequence[str] | None = None,
-    master_addr: str,
-    master_port: int,
-    extra: Sequence[str] = (),
-) -> list[str]:
-    """The Open MPI ``mpirun`` command line that starts ``nproc`` training processes.
-
-    ``mpirun -np N [-H host:slots,...] -x MASTER_ADDR=<addr> -x MASTER_PORT=<port> -x PATH
-    *extra *command`` (Open MPI syntax: ``-H`` takes ``host:slots`` entries, ``-x NAME=VALUE``
-    sets a variable in every rank and ``-x NAME`` forwards the launcher's own). ``hosts`` entries
-    are ``"host"`` or ``"host:slots"``; bare hosts share ``nproc`` evenly (it must divide) and
-    the slots must cover ``nproc``. ``master_addr`` must be the host of rank 0 (the first host),
-    reachable from every other. ``command`` is the worker command
-    (:attr:`~torchrig.types.LaunchPlan.command`). MPICH / Intel MPI spell it
-    ``mpiexec -n N -hosts ... -genv MASTER_ADDR ...``; pass their lines yourself.
-    """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"mpirun_command: nproc must be a positive integer, not {nproc!r}")
-    if isinstance(command, str) or not command:
-        raise ValueError("mpirun_command: command must be a non-empty list of arguments")
-    if not isinstance(master_addr, str) or not master_addr.strip():
-        raise ValueError("mpirun_command: master_addr must be the host name or address of rank 0")
-    if isinstance(master_port, bool) or not isinstance(master_port, int) or not 1 <= master_port <= 65535:
-        raise ValueError(f"mpirun_command: master_port must be a TCP port (1-65535), not {master_port!r}")
-    args = ["mpirun", "-np", str(nproc)]
-    if hosts:
-        args += ["-H", ",".join(_host_slots(list(hosts), nproc))]
-    args += ["-x", f"MASTER_ADDR={master_addr.strip()}", "-x", f"MASTER_PORT={master_port}", "-x", "PATH"]
-    return [*args, *extra, *command]
-
-
-def _host_slots(hosts: list[str], nproc: int) -> list[str]:
-    bare = [h for h in hosts if ":" not in h]
-    if bare and nproc % len(hosts):
-        raise ValueError(f"mpirun_command: {nproc} processes do not divide evenly over {len(hosts)} hosts; "
-                         "give each host its slots as 'host:slots'")
-    entries, total = [], 0
-    for host in hosts:
-        name, sep, slots_text = host.partition(":")
-        if not name.strip():
-            raise ValueError(f"mpirun_command: empty host name in {host!r}")
-        if sep:
-            try:
-                slots = int(slots_text)
-            except ValueError:
-                raise ValueError(f"mpirun_command: bad slot count in {host!r} (expected host:slots)") from None
-            if slots < 1:
-                raise ValueError(f"mpirun_command: bad slot count in {host!r} (expected host:slots)")
-        else:
-            slots = nproc // len(hosts)
-        entries.append(f"{name.strip()}:{slots}")
-        total += slots
-    if total < nproc:
-        raise ValueError(f"mpirun_command: the hosts offer {total} slots for {nproc} processes")
-    return entries
-
-
 # --------------------------------------------------------------------------------------------
 # local
 # --------------------------------------------------------------------------------------------
@@ -630,8 +559,10 @@ __all__ = [
     "detect_slurm",
     "expand_hostlist",
     "iter_hostlist",
+    "mpi_hands_off",
     "mpirun_command",
     "parse_tasks_per_node",
+    "slurm_launch_mode",
     "slurm_master_port",
     "slurm_task_recognised",
     "srun_command",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from torchrig.builtins.handoff import MPIOptions, SlurmOptions
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
+from torchrig.types import ConfigSection
 
 
 class SINGLE(PluginManifest):
@@ -75,14 +77,19 @@ class CLUSTER_TORCHELASTIC(_Cluster):
 class CLUSTER_SLURM(_Cluster):
     summary = ("one process per srun task: SLURM_PROCID, SLURM_NTASKS...; master = MASTER_ADDR or the step's first "
                "node, port = MASTER_PORT or 10000 + SLURM_JOB_ID % 20000; priority 40, after torchelastic, before mpi; "
-               "declines in the batch script, an salloc/interactive shell and under mpirun")
+               "declines in the batch script, an salloc/interactive shell and under mpirun; torchrig launch hands off "
+               "to srun inside an allocation and submits with sbatch under `cluster: slurm` outside one")
     priority = 40
+    config_section = ConfigSection("slurm", SlurmOptions, help="SlurmOptions (torchrig launch --cluster slurm: the "
+                                   "sbatch job; inside an allocation: srun)")
 
 
 class CLUSTER_MPI(_Cluster):
     summary = ("one process per MPI rank (Open MPI OMPI_COMM_WORLD_*, MVAPICH2 MV2_*, MPICH/Intel MPI PMI_RANK); "
-               "MASTER_ADDR and MASTER_PORT exported with mpirun -x; priority 30, after torchelastic and slurm")
+               "MASTER_ADDR and MASTER_PORT exported with mpirun -x; priority 30, after torchelastic and slurm; "
+               "torchrig launch --cluster mpi hands off to mpirun")
     priority = 30
+    config_section = ConfigSection("mpi", MPIOptions, help="MPIOptions (torchrig launch --cluster mpi: mpirun)")
 
 
 class CLUSTER_ENV(_Cluster):

@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from torchrig.checkpoint import faults, hashed_safetensors
+from torchrig.checkpoint import faults
 from torchrig.errors import TorchrigError
 
 #: Bytes hashed per ``read`` when a file written by a library is hashed afterwards.
@@ -196,6 +196,8 @@ class CheckpointWriter:
                      *, fault_phase: str | None = None) -> str:
         """Write a flat name → tensor mapping as a safetensors file."""
         from safetensors.torch import save, save_file
+
+        from torchrig.checkpoint import hashed_safetensors  # imports torch: this module stays torch-free at import
 
         extra = dict(metadata) if metadata else None
 

@@ -72,7 +72,8 @@ ACCELERATE_KEYS: tuple[AccelerateKey, ...] = (
     AccelerateKey("megatron_lm_config", "no_effect", "Megatron-LM is not supported", accepts=_off),
     AccelerateKey("parallelism_config", "no_effect", "tensor/context parallelism is not supported", accepts=_off),
     AccelerateKey("ipex_config", "no_effect", "Intel Extension for PyTorch is not supported", accepts=_off),
-    AccelerateKey("mpirun_config", "no_effect", "mpirun launching is not supported; start `torchrig launch` on each machine",
+    AccelerateKey("mpirun_config", "no_effect", "Accelerate's mpirun options are not read; `torchrig launch --cluster mpi` "
+                  "hands off to mpirun with the `mpi` section (docs/clusters.md)",
                   accepts=_off),
     AccelerateKey("tpu_name", "no_effect", _TPU, accepts=_off),
     AccelerateKey("tpu_zone", "no_effect", _TPU, accepts=_off),

@@ -236,6 +236,8 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None) -> int:
         node_rank=layout.machine_rank, rdzv_backend=layout.rdzv_backend, rdzv_endpoint=layout.rdzv_endpoint,
         run_id="torchrig", max_restarts=args.max_restarts, monitor_interval=args.monitor_interval, log_dir=log_dir,
         tee=args.tee, shutdown_grace_s=args.shutdown_grace, master_addr=layout.master_addr,
+        script_command=_script_command(mode, target or "<script>", target_args), cluster=config.get("cluster"),
+        config=config,
     )
     env = worker_environment(host, plan, config, flags, config_file=args.config_file)
     import attrs
@@ -275,6 +277,13 @@ def run_plan(host: PluginHost, plan: LaunchPlan) -> int:
 
         summarize_from_files(plan, code)
     return code
+
+
+def _script_command(mode: str, target: str, args: Sequence[str]) -> list[str]:
+    """The user's command without the per-rank wrapper, for a cluster's own launcher (srun, mpirun)."""
+    if mode == "exec":
+        return [target, *args]
+    return [sys.executable, "-u", *(["-m"] if mode == "module" else []), target, *args]
 
 
 def _stop_graces(shutdown_grace: float, checkpoint_on_sigterm: bool = False) -> list[str]:

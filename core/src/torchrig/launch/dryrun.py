@@ -5,13 +5,16 @@ environment each rank of this machine would get.
 
 What it cannot show: the step-plan slot owners (``backward``, ``optimizer_step``...) are decided
 by ``prepare()`` inside each worker from the model and device, so they are not listed; the master
-port is picked at each rendezvous round.
+port is picked at each rendezvous round. Where a cluster plugin would hand the launch to its own
+launcher (``torchrig_describe_launch``: the ``sbatch`` script, the ``srun``/``mpirun`` line), that
+is printed instead of the ranks' environments.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import textwrap
 from typing import Any, TextIO
 
 from torchrig.config.resolve import ResolvedConfig
@@ -113,6 +116,12 @@ def print_dry_run(host: PluginHost, config: ResolvedConfig, plan: LaunchPlan, la
     print(f"  log dir         {plan.log_dir} (created at launch)", file=out)
     for warning in plan.warnings:
         print(f"  warning: {warning}", file=out)
+    handoffs = [text for text in host.hook.torchrig_describe_launch(plan=plan) or [] if text]
+    if handoffs:  # a cluster plugin starts the ranks: elastic's per-rank environment does not apply
+        print("\nHand-off (a cluster plugin's launcher starts the ranks, not torch elastic):", file=out)
+        for text in handoffs:
+            print(textwrap.indent(text, "  "), file=out)
+        return
     print("\nEnvironment of each rank on this machine (on top of the launcher's):", file=out)
     for local_rank in range(plan.nproc_per_node):
         env = rank_environment(plan, local_rank)
