@@ -4,12 +4,14 @@ gather_for_metrics, save_state/load_state, save_model. Reports per rank. Argumen
 
 import json
 import os
+import pathlib
+import sys
 
 import torch
-from _ready import announce
 from torchrig import Accelerator
 
-out = announce()
+out = pathlib.Path(sys.argv[1])
+(out / f"ready-{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))  # this worker, for the test
 accelerator = Accelerator()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
