@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 
 from torchrig import run_status
+from torchrig.accelerator_arguments import accelerator_arguments
 from torchrig.checkpoint.export import parse_size, save_object, save_weights
 from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
@@ -43,90 +44,10 @@ from torchrig.process import AcceleratorState, ProcessControl
 from torchrig.profiling import profile_options, profile_run
 from torchrig.run import RunContext
 from torchrig.runtime import build_step_plan, declared_precision_type, end_run, open_run
+from torchrig.step_contexts import AccumulateContext, adjusted_autocast
 from torchrig.step_plan import StepPlan
 from torchrig.tracking import TrackerHub
 from torchrig.types import Capabilities, PreparedModel
-
-#: Accelerate arguments torchrig does not support, and why (passing one is an error, never ignored).
-_UNSUPPORTED_ARGUMENTS = {
-    "torch_tp_plugin": "tensor parallelism is not supported",
-    "megatron_lm_plugin": "Megatron-LM is not supported",
-    "parallelism_config": "tensor/context parallelism is not supported",
-    "deepspeed_plugins": "several DeepSpeed configurations per Accelerator are not supported; each prepared model "
-    "gets its own engine from the one deepspeed_plugin",
-}
-
-
-def accelerator_arguments(schema: Schema, **kwargs: Any) -> dict[str, Any]:
-    """Translate ``Accelerator(...)`` arguments into configuration arguments.
-
-    Options objects (``DataLoaderConfiguration``, ``kwargs_handlers`` items, a plugin's
-    ``FullyShardedDataParallelPlugin``...) go to the section whose options class they are; a
-    strategy plugin's options object also selects that strategy, as in Accelerate.
-    """
-    problems: list[str] = []
-    arguments: dict[str, Any] = {}
-    sections_by_type = {section.options: key for key, section in schema.sections.items()}
-
-    def put_section_object(obj: Any, where: str, selects_strategy: bool = False) -> None:
-        key = sections_by_type.get(type(obj))
-        if key is None:
-            problems.append(f"{where}: {type(obj).__name__} is not an options class of torchrig or an installed plugin")
-            return
-        arguments[key] = obj
-        owner = schema.section_owner.get(key, "")
-        if selects_strategy and owner.startswith("strategy:"):  # fsdp_plugin=... selects FSDP, as in Accelerate
-            arguments.setdefault("strategy", owner.partition(":")[2])
-
-    for name, reason in _UNSUPPORTED_ARGUMENTS.items():
-        if kwargs.pop(name, None) is not None:
-            problems.append(f"Accelerator({name}=...): {reason}")
-    for name in ("mixed_precision", "strategy", "strict_config"):
-        if kwargs.get(name) is not None:
-            arguments[name] = kwargs.pop(name)
-        kwargs.pop(name, None)
-    steps = kwargs.pop("gradient_accumulation_steps", 1)
-    if steps != 1:
-        arguments["gradient_accumulation_steps"] = steps
-    if kwargs.pop("cpu", False):
-        arguments["use_cpu"] = True
-    log_with = kwargs.pop("log_with", None)
-    if log_with is not None:
-        arguments["log_with"] = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
-    split_batches = kwargs.pop("split_batches", None)
-    for name in ("dataloader_config", "project_config", "gradient_accumulation_plugin", "dynamo_plugin",
-                 "deepspeed_plugin", "fsdp_plugin"):
-        obj = kwargs.pop(name, None)
-        if obj is not None:
-            put_section_object(obj, f"Accelerator({name}=...)", selects_strategy=name in ("deepspeed_plugin", "fsdp_plugin"))
-    for index, handler in enumerate(kwargs.pop("kwargs_handlers", None) or ()):
-        put_section_object(handler, f"Accelerator(kwargs_handlers[{index}])")
-    project_dir = kwargs.pop("project_dir", None)
-    if project_dir is not None:
-        _merge_field(arguments, "project_config", "project_dir", os.fspath(project_dir))
-    if split_batches is not None:
-        _merge_field(arguments, "dataloader_config", "split_batches", split_batches)
-    backend = kwargs.pop("dynamo_backend", None)
-    if backend is not None:
-        _merge_field(arguments, "dynamo_config", "backend", getattr(backend, "value", backend))
-    if kwargs:
-        problems.extend(f"Accelerator({name}=...): unknown argument" for name in sorted(kwargs))
-    if problems:
-        raise ConfigError(problems, header="invalid Accelerator arguments")
-    return arguments
-
-
-def _merge_field(arguments: dict[str, Any], section: str, field: str, value: Any) -> None:
-    """Add one field to a section given as an object or a mapping (an object sets all fields)."""
-    current = arguments.get(section)
-    if current is None:
-        arguments[section] = {field: value}
-    elif isinstance(current, Mapping):
-        arguments[section] = {**current, field: value}
-    else:
-        import attrs
-
-        arguments[section] = attrs.evolve(current, **{field: value})
 
 
 class Accelerator(ProcessControl):
@@ -208,7 +129,7 @@ class Accelerator(ProcessControl):
         self._optimizers: list[AcceleratedOptimizer] = self._ledger.optimizers
         self._schedulers: list[Any] = self._ledger.schedulers
         self._dataloaders: list[Any] = self._ledger.dataloaders
-        self._accumulate = _AccumulateContext(self)
+        self._accumulate = AccumulateContext(self)
         self.flag_tensor: Any = None
         self._checkpoints = CheckpointManager(self._ledger)
         self._trackers = TrackerHub(self._run)
@@ -555,7 +476,7 @@ class Accelerator(ProcessControl):
         plan_autocast = (self._plan or self._step_plan()).autocast
         if autocast_handler is None:
             return plan_autocast()
-        return _adjusted_autocast(plan_autocast, self.device.type, autocast_handler)
+        return adjusted_autocast(plan_autocast, self.device.type, autocast_handler)
 
     def profile(self, profile_handler: ProfileKwargs | None = None) -> Any:
         """Context manager yielding a ``torch.profiler.profile`` configured by ``profile_handler`` (default:
@@ -784,61 +705,6 @@ class Accelerator(ProcessControl):
         return self.is_main_process or (self.config["project_config.save_on_each_node"] and self.is_local_main_process)
 
 
-class _AccumulateContext:
-    """The ``accumulate()`` context, reused every micro-step (no generator, no allocation on the
-    path where nothing needs suppressing)."""
-
-    __slots__ = ("accelerator", "stack")
-
-    def __init__(self, accelerator: Accelerator) -> None:
-        self.accelerator = accelerator
-        self.stack: contextlib.ExitStack | None = None
-
-    def enter(self, models: tuple[Any, ...]) -> _AccumulateContext:
-        state = self.accelerator.gradient_state
-        if state.sync_with_dataloader and state.end_of_dataloader:
-            state.step = 0
-            state.sync_gradients = True
-        else:
-            state.step += 1
-            state.sync_gradients = state.step % state.num_steps == 0
-            if state.sync_gradients:
-                state.step = 0
-        if not state.sync_gradients and not state.sync_each_batch and models:
-            no_sync = self.accelerator.no_sync
-            self.stack = contextlib.ExitStack()
-            for model in models:
-                self.stack.enter_context(no_sync(model))
-        return self
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        if self.stack is not None:
-            stack, self.stack = self.stack, None
-            stack.close()
-
-
-@contextlib.contextmanager
-def _adjusted_autocast(plan_autocast: Callable[[], Any], device_type: str, handler: Any) -> Iterator[None]:
-    """The precision plugin's autocast with ``AutocastKwargs`` applied on top, without the core
-    knowing which precision (or dtype) the plugin uses: a nested autocast inherits it."""
-    import torch
-
-    if handler.enabled is False:
-        with torch.autocast(device_type=device_type, enabled=False):
-            yield
-        return
-    with plan_autocast():
-        if handler.cache_enabled is None or not torch.is_autocast_enabled(device_type):
-            yield
-            return
-        with torch.autocast(device_type=device_type, dtype=torch.get_autocast_dtype(device_type),
-                            cache_enabled=handler.cache_enabled):
-            yield
-
-
 def _live_param_ids(prepared: PreparedModel) -> set[int]:
     """Ids of the parameters a prepared model trains (its wrapper's and its own module's)."""
     return {id(p) for p in prepared.model.parameters()} | {id(p) for p in prepared.unwrapped.parameters()}
@@ -868,4 +734,4 @@ def _all_tensors(data: Any) -> bool:
     return False
 
 
-__all__ = ["Accelerator", "accelerator_arguments"]
+__all__ = ["Accelerator"]
