@@ -27,7 +27,7 @@ from torchrig.checkpoint.export import parse_size, save_object, save_weights
 from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.compile import compile_model
-from torchrig.config.options import PreemptionConfig, ProfileKwargs
+from torchrig.config.options import PreemptionConfig, ProfileKwargs, TorchTensorParallelPlugin
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.data import standalone as standalone_data
 from torchrig.defaults import training as training_defaults
@@ -49,9 +49,7 @@ from torchrig.types import Capabilities, PreparedModel
 
 #: Accelerate arguments torchrig does not support, and why (passing one is an error, never ignored).
 _UNSUPPORTED_ARGUMENTS = {
-    "torch_tp_plugin": "tensor parallelism is not supported",
     "megatron_lm_plugin": "Megatron-LM is not supported",
-    "parallelism_config": "tensor/context parallelism is not supported",
     "deepspeed_plugins": "several DeepSpeed configurations per Accelerator are not supported; each prepared model "
     "gets its own engine from the one deepspeed_plugin",
 }
@@ -94,6 +92,18 @@ def accelerator_arguments(schema: Schema, **kwargs: Any) -> dict[str, Any]:
     if log_with is not None:
         arguments["log_with"] = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
     split_batches = kwargs.pop("split_batches", None)
+    parallelism = kwargs.pop("parallelism_config", None)
+    if isinstance(parallelism, Mapping):  # the section's keys, as a file gives them
+        arguments["parallelism_config"] = dict(parallelism)
+    elif parallelism is not None:
+        put_section_object(parallelism, "Accelerator(parallelism_config=...)")
+    tp_plugin = kwargs.pop("torch_tp_plugin", None)
+    if tp_plugin is not None:  # Accelerate's TorchTensorParallelPlugin(tp_size=N): parallelism_config.tp_size
+        if not isinstance(tp_plugin, TorchTensorParallelPlugin):
+            problems.append(f"Accelerator(torch_tp_plugin=...): expected a TorchTensorParallelPlugin, got "
+                            f"{type(tp_plugin).__name__}")
+        else:
+            _merge_field(arguments, "parallelism_config", "tp_size", tp_plugin.tp_size)
     for name in ("dataloader_config", "project_config", "gradient_accumulation_plugin", "dynamo_plugin",
                  "deepspeed_plugin", "fsdp_plugin"):
         obj = kwargs.pop(name, None)
@@ -523,6 +533,12 @@ class Accelerator(ProcessControl):
         ``gradient_accumulation_steps`` steps, and at the end of the dataloader) and suppresses
         gradient communication on the others (``no_sync``)."""
         return self._accumulate.enter(models)
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """The run's ``DeviceMesh`` when the strategy built one (``parallelism_config``; named axes
+        ``dp_replicate``, ``dp_shard``, ``tp``), else None (Accelerate's name)."""
+        return self.strategy_capabilities.device_mesh
 
     @property
     def strategy_capabilities(self) -> Capabilities:

@@ -69,6 +69,9 @@ class Capabilities:
     #: Ranks that see different data. Data-parallel strategies: every rank.
     data_parallel_size: int | None = None
     data_parallel_rank: int | None = None
+    #: The run's ``torch.distributed.device_mesh.DeviceMesh`` when the strategy built one (named
+    #: axes: ``dp_replicate``, ``dp_shard``, ``tp``); ``accelerator.torch_device_mesh`` returns it.
+    device_mesh: Any = None
 
 
 @attrs.frozen

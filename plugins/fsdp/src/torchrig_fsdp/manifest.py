@@ -47,6 +47,7 @@ class FSDPManifest(PluginManifest):
     install_hint = "torchrig[fsdp]"
     requires = ()  # torch is a dependency of torchrig itself
     aliases = ("FSDP",)
+    parallelism_axes = ("dp_replicate", "dp_shard", "tp")  # the N-D mesh: torchrig_fsdp.mesh
     distributed_type = "FSDP"
     state_attribute = "fsdp_plugin"
     exports = {
@@ -115,6 +116,11 @@ def fsdp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
         problems.append(ConfigProblem(f"{SECTION}.cpu_ram_efficient_loading", (
             "needs sync_module_states: true: only rank 0 loads the weights, the other ranks receive them by the "
             "broadcast that sync_module_states performs")))
+    mesh_sizes = [get(f"parallelism_config.{axis}_size", 1) for axis in ("dp_replicate", "dp_shard", "tp", "cp", "pp")]
+    if strategy in (*HYBRID, "NO_SHARD") and any(size != 1 for size in mesh_sizes):
+        problems.append(ConfigProblem(f"{SECTION}.sharding_strategy", (
+            f"{strategy} and parallelism_config both describe the mesh; with parallelism_config set "
+            "parallelism_config.dp_replicate_size (replicas) and dp_shard_size (shards per replica) instead")))
     if get(f"{SECTION}.activation_checkpointing") and get(f"{SECTION}.auto_wrap_policy") == "NO_WRAP":
         problems.append(ConfigProblem(f"{SECTION}.activation_checkpointing", (
             "checkpoints each wrapped block, but auto_wrap_policy is NO_WRAP (no blocks); use TRANSFORMER_BASED_WRAP "
