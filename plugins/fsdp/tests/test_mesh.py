@@ -60,12 +60,12 @@ def _loop(accelerator, model, optimizer, loader) -> list[float]:
     return losses
 
 
-def _train(ctx, parallelism: dict, dp_size: int):
+def _train(ctx, parallelism: dict, dp_size: int, mixed_precision: str = "no"):
     from torchrig import Accelerator
 
     with rank_environment(ctx.rank, ctx.world_size):
         accelerator = Accelerator(cpu=True, strategy="fsdp", gradient_accumulation_steps=ACCUMULATION,
-                                  parallelism_config=parallelism)
+                                  parallelism_config=parallelism, mixed_precision=mixed_precision)
         torch.manual_seed(0)
         model = TinyLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -77,6 +77,7 @@ def _train(ctx, parallelism: dict, dp_size: int):
         params = {name: _full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
         kinds = sorted({type(p).__name__ for p in model.parameters()})
         return {"losses": losses, "params": params, "dp": (caps.data_parallel_size, caps.data_parallel_rank),
+                "autocast": accelerator.step_plan.owners["autocast"],
                 "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), "kinds": kinds,
                 "optimizer_params": [type(p).__name__ for group in optimizer.param_groups for p in group["params"]]}
 
@@ -130,6 +131,20 @@ def test_mesh_layout_trains_like_one_process(pool, layout):
         for result in results:
             torch.testing.assert_close(result["params"][name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
         assert not torch.equal(expected, reference["initial"][name]), f"{name} did not train in the reference"
+
+
+@pytest.mark.parametrize("layout", ["fsdp2xtp", "tp4"])
+def test_bf16_under_tp_is_fsdps_policy_with_a_data_axis_and_autocast_without(pool, layout):
+    parallelism, dp_size, _ = LAYOUTS[layout]
+    results = pool.run(_train, parallelism, dp_size, "bf16", timeout=TIMEOUT)
+    reference = _reference(dp_size)
+    for result in results:
+        # FSDP2's MixedPrecisionPolicy casts when there is a data axis to shard over; TP alone has
+        # no fully_shard, so the precision plugin's autocast must be installed instead
+        assert result["autocast"] == ("core" if layout == "fsdp2xtp" else "precision:bf16")  # core: nullcontext
+        assert all(p.dtype == torch.float32 for p in result["params"].values())  # fp32 master weights
+    mean = sum(results[dp * (4 // dp_size)]["losses"][-1] for dp in range(dp_size)) / dp_size
+    assert mean == pytest.approx(reference["losses"][-1], rel=5e-2)
 
 
 def _refused(ctx, parallelism: dict, fsdp_config: dict | None):
@@ -191,6 +206,8 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "launch_scripts", "mesh_train.p
 
 
 def test_launch_four_cpu_processes_from_a_parallelism_config_file(tmp_path):
+    from safetensors.torch import load_file
+
     out = tmp_path / "out"
     out.mkdir()
     config = tmp_path / "mesh.yaml"
@@ -216,3 +233,10 @@ def test_launch_four_cpu_processes_from_a_parallelism_config_file(tmp_path):
     params = torch.load(out / "params.pt")
     for name, expected in reference["params"].items():
         torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=1e-5)
+    # save_model gathers the FSDP2 x TP layout into one safetensors file a plain model loads
+    weights = load_file(out / "weights" / "model.safetensors")
+    plain = TinyLM()
+    plain.load_state_dict(weights)
+    for name, tensor in plain.named_parameters():
+        torch.testing.assert_close(tensor.detach(), reference["params"][name], rtol=1e-4, atol=1e-5)
+    assert (out / "checkpoint").is_dir()

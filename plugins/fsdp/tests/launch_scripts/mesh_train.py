@@ -1,5 +1,6 @@
 """Train the tiny LM under whatever mesh the launch configures (plugins/fsdp/tests/test_mesh.py) and report
-per rank; rank 0 also writes every parameter gathered with full_tensor(). Arguments: OUT STEPS."""
+per rank; rank 0 also writes every parameter gathered with full_tensor(); then save_model and save_state. Arguments:
+OUT STEPS."""
 
 import json
 import os
@@ -33,6 +34,8 @@ params = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().c
           for name, p in accelerator.unwrap_model(model).named_parameters()}
 if accelerator.is_main_process:
     torch.save(params, out / "params.pt")
+accelerator.save_model(model, str(out / "weights"))  # gathered from the 2-D layout into one file
+accelerator.save_state(str(out / "checkpoint"))
 mesh = accelerator.torch_device_mesh
 report = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "losses": losses, "pid": os.getpid(),
           "dp": [caps.data_parallel_size, caps.data_parallel_rank]}
