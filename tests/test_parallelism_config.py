@@ -110,6 +110,13 @@ def test_fsdp_hybrid_sharding_and_a_mesh_together_are_refused(host, tmp_path):
     assert "both describe the mesh" in problems(host, config_file=run)
 
 
+def test_dispatch_batches_with_tensor_parallel_is_refused(host, tmp_path):
+    run = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4, "dataloader_config": {"dispatch_batches": True},
+                                 "parallelism_config": {"dp_shard_size": 2, "tp_size": 2}})
+    text = problems(host, config_file=run)
+    assert "dataloader_config.dispatch_batches" in text and "tp_size=2" in text
+
+
 def test_accelerate_file_keys_and_names_map_onto_the_section(host, tmp_path):
     run = config_file(tmp_path, {"distributed_type": "FSDP", "num_processes": 4, "parallelism_config": {
         "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2,

@@ -121,6 +121,11 @@ def fsdp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
         problems.append(ConfigProblem(f"{SECTION}.sharding_strategy", (
             f"{strategy} and parallelism_config both describe the mesh; with parallelism_config set "
             "parallelism_config.dp_replicate_size (replicas) and dp_shard_size (shards per replica) instead")))
+    tp = get("parallelism_config.tp_size", 1)
+    if get("dataloader_config.dispatch_batches") and tp != 1:
+        problems.append(ConfigProblem("dataloader_config.dispatch_batches", (
+            f"the main process would send batches to every rank, but with tp_size={tp} the ranks of one tensor-parallel "
+            "group must get the same batch; set dispatch_batches: false (each data-parallel rank reads its own)")))
     if get(f"{SECTION}.activation_checkpointing") and get(f"{SECTION}.auto_wrap_policy") == "NO_WRAP":
         problems.append(ConfigProblem(f"{SECTION}.activation_checkpointing", (
             "checkpoints each wrapped block, but auto_wrap_policy is NO_WRAP (no blocks); use TRANSFORMER_BASED_WRAP "
