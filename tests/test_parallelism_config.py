@@ -110,6 +110,14 @@ def test_fsdp_hybrid_sharding_and_a_mesh_together_are_refused(host, tmp_path):
     assert "both describe the mesh" in problems(host, config_file=run)
 
 
+def test_fp16_with_tensor_parallel_alone_is_refused(host, tmp_path):
+    run = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4, "mixed_precision": "fp16",
+                                 "parallelism_config": {"tp_size": 4}})
+    assert "mixed_precision" in (text := problems(host, config_file=run)) and "use bf16" in text
+    resolve(host, config_file=config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4, "mixed_precision": "fp16",
+                                                     "parallelism_config": {"tp_size": 2, "dp_shard_size": 2}}))
+
+
 def test_dispatch_batches_with_tensor_parallel_is_refused(host, tmp_path):
     run = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4, "dataloader_config": {"dispatch_batches": True},
                                  "parallelism_config": {"dp_shard_size": 2, "tp_size": 2}})

@@ -133,43 +133,47 @@ def test_mesh_layout_trains_like_one_process(pool, layout):
         assert not torch.equal(expected, reference["initial"][name]), f"{name} did not train in the reference"
 
 
-@pytest.mark.parametrize("layout", ["fsdp2xtp", "tp4"])
-def test_bf16_under_tp_is_fsdps_policy_with_a_data_axis_and_autocast_without(pool, layout):
+@pytest.mark.parametrize(("layout", "precision"), [("fsdp2xtp", "bf16"), ("fsdp2xtp", "fp16"), ("tp4", "bf16")])
+def test_mixed_precision_under_tp_is_fsdps_policy_with_a_data_axis_and_autocast_without(pool, layout, precision):
     parallelism, dp_size, _ = LAYOUTS[layout]
-    results = pool.run(_train, parallelism, dp_size, "bf16", timeout=TIMEOUT)
+    results = pool.run(_train, parallelism, dp_size, precision, timeout=TIMEOUT)
     reference = _reference(dp_size)
     for result in results:
         # FSDP2's MixedPrecisionPolicy casts when there is a data axis to shard over; TP alone has
         # no fully_shard, so the precision plugin's autocast must be installed instead
-        assert result["autocast"] == ("core" if layout == "fsdp2xtp" else "precision:bf16")  # core: nullcontext
+        assert result["autocast"] == ("core" if layout == "fsdp2xtp" else f"precision:{precision}")  # core: nullcontext
         assert all(p.dtype == torch.float32 for p in result["params"].values())  # fp32 master weights
     mean = sum(results[dp * (4 // dp_size)]["losses"][-1] for dp in range(dp_size)) / dp_size
     assert mean == pytest.approx(reference["losses"][-1], rel=5e-2)
 
 
-def _refused(ctx, parallelism: dict, fsdp_config: dict | None):
+def _refused(ctx, parallelism: dict, mixed_precision: str = "no"):
     from torchrig import Accelerator
     from torchrig.errors import ConfigError
+    from torchrig_fsdp.strategy import FSDPConfigError
 
     with rank_environment(ctx.rank, ctx.world_size):
         try:
-            options = {"fsdp_plugin": fsdp_config} if fsdp_config else {}
-            accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism, **options)
+            accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism,
+                                      mixed_precision=mixed_precision)
             torch.manual_seed(0)
             accelerator.prepare(TinyLM())
-        except ConfigError as exc:
+        except (ConfigError, FSDPConfigError) as exc:
             return str(exc)
         return None
 
 
 def test_tp_without_a_plan_and_a_pattern_matching_nothing_are_refused_naming_the_key(pool):
-    for message in pool.run(_refused, {"tp_size": 4}, None, timeout=TIMEOUT):
+    for message in pool.run(_refused, {"tp_size": 4}, timeout=TIMEOUT):
         assert "parallelism_config.tp_plan" in message and "declares none" in message
     plan = {**TP_PLAN, "blocks.*.ffn.gate": "colwise"}
-    for message in pool.run(_refused, {"tp_size": 4, "tp_plan": plan}, None, timeout=TIMEOUT):
+    for message in pool.run(_refused, {"tp_size": 4, "tp_plan": plan}, timeout=TIMEOUT):
         assert "'blocks.*.ffn.gate' matches no module of TinyLM" in message
-    for message in pool.run(_refused, {"tp_size": 3}, None, timeout=TIMEOUT):
+    for message in pool.run(_refused, {"tp_size": 3}, timeout=TIMEOUT):
         assert "parallelism_config.tp_size" in message and "world size" in message
+    # -1 hides "tp alone" from the check before launch; the strategy refuses it with the real world size
+    for message in pool.run(_refused, {"tp_size": -1, "tp_plan": TP_PLAN}, "fp16", timeout=TIMEOUT):
+        assert "fp16 with tensor parallel alone" in message and "use bf16" in message
 
 
 def _parallelize_fn(ctx):

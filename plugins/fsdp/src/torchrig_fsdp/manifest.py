@@ -122,6 +122,12 @@ def fsdp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
             f"{strategy} and parallelism_config both describe the mesh; with parallelism_config set "
             "parallelism_config.dp_replicate_size (replicas) and dp_shard_size (shards per replica) instead")))
     tp = get("parallelism_config.tp_size", 1)
+    data = [get(f"parallelism_config.{axis}_size", 1) for axis in ("dp_replicate", "dp_shard")]
+    if get("mixed_precision") == "fp16" and tp not in (1, None) and all(size == 1 for size in data):
+        problems.append(ConfigProblem("mixed_precision", (
+            "fp16 with tensor parallel alone (no dp_shard/dp_replicate axis) is not supported: the loss scaler cannot "
+            "unscale plain and tensor-parallel gradients together; use bf16, or add a data axis "
+            "(parallelism_config.dp_shard_size)")))
     if get("dataloader_config.dispatch_batches") and tp != 1:
         problems.append(ConfigProblem("dataloader_config.dispatch_batches", (
             f"the main process would send batches to every rank, but with tp_size={tp} the ranks of one tensor-parallel "

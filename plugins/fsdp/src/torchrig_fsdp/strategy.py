@@ -49,6 +49,13 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 
 
+#: fp16 needs a loss scaler that sees every gradient as a DTensor (ShardedGradScaler); with tensor
+#: parallel alone the parameters outside the plan stay plain tensors, and torch's unscale refuses the mix.
+_FP16_TP_ALONE = ("mixed_precision: fp16 with tensor parallel alone (no dp_shard/dp_replicate axis) is not supported: "
+                  "the loss scaler cannot unscale plain and tensor-parallel gradients together; use bf16, or add a "
+                  "data axis (parallelism_config.dp_shard_size)")
+
+
 class FSDPConfigError(ValueError):
     """An ``fsdp_config`` value that cannot be applied to this model or this job. The message
     names the key and how to fix it."""
@@ -164,6 +171,8 @@ class FSDPStrategy:
             nd.wrap_loss_parallel(model)
         shard_mesh = nd.data_mesh(mesh) if nd.parallelism(run).enabled else mesh
         if shard_mesh is None:  # tensor parallel alone: no data axis to shard over
+            if run.option("mixed_precision") == "fp16":
+                raise FSDPConfigError(_FP16_TP_ALONE)
             _materialize(model, options, rank0_state, device, run)
             for optimizer in prepared.optimizers:
                 remap_optimizer(optimizer, slots)
