@@ -72,6 +72,10 @@ class Capabilities:
     #: The run's ``torch.distributed.device_mesh.DeviceMesh`` when the strategy built one (named
     #: axes: ``dp_replicate``, ``dp_shard``, ``tp``); ``accelerator.torch_device_mesh`` returns it.
     device_mesh: Any = None
+    #: When some ranks share batches (tensor parallel): the process group of the data-parallel
+    #: ranks this rank belongs to, one rank per data-parallel rank, in data-parallel order.
+    #: ``gather_for_metrics`` gathers over it, so every sample is counted once. None: the world.
+    data_parallel_group: Any = None
 
 
 @attrs.frozen

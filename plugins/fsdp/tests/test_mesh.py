@@ -110,6 +110,9 @@ LAYOUTS = {
     "tp_sp_loss_parallel": ({"dp_shard_size": -1, "tp_size": 2, "tp_plan": TP_SP_PLAN, "loss_parallel": True}, 2,
                             {"dp_shard": 2, "tp": 2}),
     "hsdp": ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4, {"dp_replicate": 2, "dp_shard": 2}),
+    # a 3-D mesh: replicas x (shards of 1) x tp
+    "replicate_x_tp": ({"dp_replicate_size": 2, "tp_size": 2, "tp_plan": TP_PLAN}, 2,
+                       {"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
 }
 
 
@@ -145,6 +148,29 @@ def test_mixed_precision_under_tp_is_fsdps_policy_with_a_data_axis_and_autocast_
         assert all(p.dtype == torch.float32 for p in result["params"].values())  # fp32 master weights
     mean = sum(results[dp * (4 // dp_size)]["losses"][-1] for dp in range(dp_size)) / dp_size
     assert mean == pytest.approx(reference["losses"][-1], rel=5e-2)
+
+
+def _gather_eval(ctx, parallelism: dict):
+    """Evaluation over 11 samples (uneven: the loader pads the last batch) with gather_for_metrics."""
+    from torchrig import Accelerator
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism)
+        dataset = torch.utils.data.TensorDataset(torch.arange(11))
+        loader = accelerator.prepare(torch.utils.data.DataLoader(dataset, batch_size=2))
+        seen = []
+        for (ids,) in loader:
+            seen += accelerator.gather_for_metrics(ids).tolist()
+        objects = accelerator.gather_for_metrics([ctx.rank], use_gather_object=True)
+        return seen, objects
+
+
+@pytest.mark.parametrize("layout", ["fsdp2xtp", "replicate_x_tp", "tp4", "hsdp"])
+def test_gather_for_metrics_counts_every_sample_once_across_tp_ranks(pool, layout):
+    parallelism, dp_size, _ = LAYOUTS[layout]
+    for seen, objects in pool.run(_gather_eval, parallelism, timeout=TIMEOUT):
+        assert sorted(seen) == list(range(11))
+        assert len(objects) == dp_size  # one object per data-parallel rank
 
 
 def _refused(ctx, parallelism: dict, mixed_precision: str = "no"):

@@ -63,6 +63,18 @@ def data_parallel_layout(mesh: Any, rank: int) -> tuple[int, int]:
     return size, index
 
 
+def data_parallel_group(mesh: Any) -> Any:
+    """The process group of this rank's data-parallel peers (same ``tp`` coordinate), or None when
+    every rank is a data-parallel rank (no ``tp`` axis). Collective: call on every rank."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return None
+    data = tuple(name for name in DATA_AXES if name in names)
+    if len(data) == 1:
+        return mesh[data[0]].get_group()
+    return mesh[data]._flatten("dp").get_group()  # HSDP x TP: both data axes as one group
+
+
 def tp_mesh(mesh: Any) -> Any:
     return mesh["tp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else None
 
@@ -174,5 +186,6 @@ def loss_parallel_backward(backward: Any) -> Any:
     return backward_in_loss_parallel
 
 
-__all__ = ["AXES", "DATA_AXES", "apply_tensor_parallel", "data_mesh", "data_parallel_layout", "loss_parallel_backward",
-           "mesh_layout", "model_plan", "parallelism", "resolve_plan", "tp_mesh", "wrap_loss_parallel"]
+__all__ = ["AXES", "DATA_AXES", "apply_tensor_parallel", "data_mesh", "data_parallel_group", "data_parallel_layout",
+           "loss_parallel_backward", "mesh_layout", "model_plan", "parallelism", "resolve_plan", "tp_mesh",
+           "wrap_loss_parallel"]

@@ -44,6 +44,8 @@ logger = get_logger(__name__)
 
 #: The device mesh of this run (built in ``torchrig_configure``; ``None`` with one process).
 MESH = StashKey[Any]("fsdp.mesh")
+#: The process group of this rank's data-parallel peers when the mesh has a ``tp`` axis (else None).
+DP_GROUP = StashKey[Any]("fsdp.dp_group")
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
@@ -126,6 +128,7 @@ class FSDPStrategy:
             shape, names = mesh_shape(options.sharding_strategy, cluster.world_size, cluster.num_nodes,
                                       cluster.local_world_size)
         run.stash[MESH] = init_device_mesh(run.device.device.type, shape, mesh_dim_names=names)
+        run.stash[DP_GROUP] = nd.data_parallel_group(run.stash[MESH])
         _explain_no_ops(options)
 
     @hookimpl
@@ -140,7 +143,8 @@ class FSDPStrategy:
         # Tensor parallel alone shards nothing with fully_shard, so no MixedPrecisionPolicy casts:
         # the precision plugin's autocast applies then.
         owns = sharded and (not nd.parallelism(run).enabled or nd.data_mesh(mesh) is not None)
-        return Capabilities(owns_precision=owns, data_parallel_size=size, data_parallel_rank=rank, device_mesh=mesh)
+        return Capabilities(owns_precision=owns, data_parallel_size=size, data_parallel_rank=rank, device_mesh=mesh,
+                            data_parallel_group=run.stash.get(DP_GROUP))
 
     # -- preparation -------------------------------------------------------------------------
 
