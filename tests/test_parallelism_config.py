@@ -149,8 +149,11 @@ def test_accelerator_arguments_take_the_object_a_mapping_or_the_tp_plugin(host):
     given = ParallelismConfig(tp_size=2, dp_shard_size=-1)
     assert accelerator_arguments(schema, parallelism_config=given) == {"parallelism_config": given}
     assert accelerator_arguments(schema, parallelism_config={"tp_size": 2}) == {"parallelism_config": {"tp_size": 2}}
-    with pytest.raises(ConfigError, match="expected a TorchTensorParallelPlugin"):
-        accelerator_arguments(schema, torch_tp_plugin={"tp_size": 2})
+    both = accelerator_arguments(schema, parallelism_config=given, torch_tp_plugin=TorchTensorParallelPlugin(tp_size=4))
+    assert both["parallelism_config"].tp_size == 4 and both["parallelism_config"].dp_shard_size == -1
+    with pytest.raises(ConfigError) as excinfo:
+        accelerator_arguments(schema, torch_tp_plugin={"tp_size": 2}, parallelism_config=3)
+    assert "expected a TorchTensorParallelPlugin" in str(excinfo.value) and "expected a ParallelismConfig" in str(excinfo.value)
 
 
 def test_unknown_tp_style_is_refused_with_the_styles(host, tmp_path):

@@ -28,7 +28,8 @@ from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.collectives import Collectives
 from torchrig.compile import compile_model
-from torchrig.config.options import PreemptionConfig, ProfileKwargs, TorchTensorParallelPlugin
+from torchrig.config.options import PreemptionConfig, ProfileKwargs
+from torchrig.config.parallelism import parallelism_argument
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.data import standalone as standalone_data
 from torchrig.defaults import training as training_defaults
@@ -93,18 +94,10 @@ def accelerator_arguments(schema: Schema, **kwargs: Any) -> dict[str, Any]:
     if log_with is not None:
         arguments["log_with"] = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
     split_batches = kwargs.pop("split_batches", None)
-    parallelism = kwargs.pop("parallelism_config", None)
-    if isinstance(parallelism, Mapping):  # the section's keys, as a file gives them
-        arguments["parallelism_config"] = dict(parallelism)
-    elif parallelism is not None:
-        put_section_object(parallelism, "Accelerator(parallelism_config=...)")
-    tp_plugin = kwargs.pop("torch_tp_plugin", None)
-    if tp_plugin is not None:  # Accelerate's TorchTensorParallelPlugin(tp_size=N): parallelism_config.tp_size
-        if not isinstance(tp_plugin, TorchTensorParallelPlugin):
-            problems.append(f"Accelerator(torch_tp_plugin=...): expected a TorchTensorParallelPlugin, got "
-                            f"{type(tp_plugin).__name__}")
-        else:
-            _merge_field(arguments, "parallelism_config", "tp_size", tp_plugin.tp_size)
+    mesh, found = parallelism_argument(kwargs.pop("parallelism_config", None), kwargs.pop("torch_tp_plugin", None))
+    problems += found
+    if mesh is not None:
+        arguments["parallelism_config"] = mesh
     for name in ("dataloader_config", "project_config", "gradient_accumulation_plugin", "dynamo_plugin",
                  "deepspeed_plugin", "fsdp_plugin"):
         obj = kwargs.pop(name, None)

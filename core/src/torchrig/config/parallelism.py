@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 
-from torchrig.config.options import PARALLELISM_AXES
+import attrs
+
+from torchrig.config.options import PARALLELISM_AXES, ParallelismConfig, TorchTensorParallelPlugin
 from torchrig.config.schema import Problem
 
 SECTION = "parallelism_config"
@@ -91,4 +93,24 @@ def parallelism_problems(
     return problems
 
 
-__all__ = ["SECTION", "infer_sizes", "key_of", "parallelism_problems"]
+def parallelism_argument(parallelism: object, tp_plugin: object) -> tuple[object, list[str]]:
+    """``Accelerator(parallelism_config=..., torch_tp_plugin=...)`` as the section's argument: a
+    ``ParallelismConfig`` or a mapping of its keys; Accelerate's older ``TorchTensorParallelPlugin
+    (tp_size=N)`` sets ``tp_size``. Returns the argument (None: neither given) and the problems."""
+    problems = []
+    if parallelism is not None and not isinstance(parallelism, (ParallelismConfig, Mapping)):
+        problems.append(f"Accelerator(parallelism_config=...): expected a ParallelismConfig or a mapping of its keys, "
+                        f"got {type(parallelism).__name__}")
+        parallelism = None
+    if tp_plugin is None:
+        return (dict(parallelism) if isinstance(parallelism, Mapping) else parallelism), problems
+    if not isinstance(tp_plugin, TorchTensorParallelPlugin):
+        problems.append(f"Accelerator(torch_tp_plugin=...): expected a TorchTensorParallelPlugin, got "
+                        f"{type(tp_plugin).__name__}")
+        return parallelism, problems
+    if isinstance(parallelism, ParallelismConfig):
+        return attrs.evolve(parallelism, tp_size=tp_plugin.tp_size), problems
+    return {**(parallelism or {}), "tp_size": tp_plugin.tp_size}, problems
+
+
+__all__ = ["SECTION", "infer_sizes", "key_of", "parallelism_argument", "parallelism_problems"]
