@@ -46,12 +46,14 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float().cpu()
 
 
-def _loop(accelerator, model, optimizer, loader) -> list[float]:
+def _loop(accelerator, model, optimizer, loader, reduced=None) -> list[float]:
     losses = []
     for tokens, labels in loader:
         with accelerator.accumulate(model):
             loss = model(tokens, labels)
             accelerator.backward(loss)
+            if reduced is not None:  # FSDP2 gives sharded .grad only once it reduce-scattered
+                reduced.append(all(p.grad is not None for p in model.parameters()))
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 0.5)
             optimizer.step()
@@ -73,11 +75,12 @@ def _train(ctx, parallelism: dict, dp_size: int, mixed_precision: str = "no"):
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         caps = accelerator.strategy_capabilities
         mesh = accelerator.torch_device_mesh
-        losses = _loop(accelerator, model, optimizer, loader)
+        reduced: list[bool] = []
+        losses = _loop(accelerator, model, optimizer, loader, reduced)
         params = {name: _full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
         kinds = sorted({type(p).__name__ for p in model.parameters()})
         return {"losses": losses, "params": params, "dp": (caps.data_parallel_size, caps.data_parallel_rank),
-                "autocast": accelerator.step_plan.owners["autocast"],
+                "autocast": accelerator.step_plan.owners["autocast"], "reduced": reduced,
                 "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), "kinds": kinds,
                 "optimizer_params": [type(p).__name__ for group in optimizer.param_groups for p in group["params"]]}
 
@@ -126,6 +129,8 @@ def test_mesh_layout_trains_like_one_process(pool, layout):
         assert result["mesh"] == mesh
         assert result["dp"] == (dp_size, rank // tp_size)  # the ranks of one tp group share batches
         assert set(result["optimizer_params"]) == {"DTensor"} or layout == "tp4"
+        if layout != "tp4":  # no reduce-scatter on accumulation micro-steps, one on the step that syncs
+            assert result["reduced"] == [False, True] * STEPS
     # each step's loss: the mean over the data-parallel ranks = the reference's loss on the whole batch
     for step, expected in enumerate(reference["losses"]):
         mean = sum(results[dp * tp_size]["losses"][step] for dp in range(dp_size)) / dp_size
