@@ -67,4 +67,18 @@ def test_a_model_declaring_its_own_plan_is_found():
     assert model_plan(model) == Config.base_model_tp_plan
     inner = torch.nn.Module()
     inner.base = model
-    assert model_plan(inner) == Config.base_model_tp_plan  # declared by a submodule (the base model)
+    # declared by a submodule: its patterns are relative to it
+    assert model_plan(inner) == {"base.blocks.*.mlp.up": "colwise", "base.blocks.*.mlp.down": "rowwise"}
+
+    class ForCausalLM(torch.nn.Module):  # transformers: the config's plan is relative to the base model
+        base_model_prefix = "model"
+
+        def __init__(self):
+            super().__init__()
+            self.model, self.config = TinyLM(), Config()
+
+    head = ForCausalLM()
+    plan = model_plan(head)
+    assert plan == {"model.blocks.*.mlp.up": "colwise", "model.blocks.*.mlp.down": "rowwise"}
+    assert sorted(resolve_plan(head, plan, False, "plan")) == [
+        "model.blocks.0.mlp.down", "model.blocks.0.mlp.up", "model.blocks.1.mlp.down", "model.blocks.1.mlp.up"]

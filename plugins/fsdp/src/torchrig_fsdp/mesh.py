@@ -106,12 +106,20 @@ def _styles(loss_parallel: bool) -> dict[str, Any]:
 
 
 def model_plan(model: torch.nn.Module) -> dict[str, Any] | None:
-    """A plan the model declares itself (transformers: ``base_model_tp_plan``/``_tp_plan``)."""
-    for module in model.modules():
+    """A plan the model declares itself (transformers: ``_tp_plan``, or ``base_model_tp_plan`` in its
+    config), its patterns made relative to ``model``: a plan found on a submodule gets the
+    submodule's name in front, a config's ``base_model_tp_plan`` the base model's
+    (``base_model_prefix``)."""
+    for name, module in model.named_modules():
         for attribute in ("_tp_plan", "base_model_tp_plan"):
-            plan = getattr(module, attribute, None) or getattr(getattr(module, "config", None), attribute, None)
+            owner, plan = name, getattr(module, attribute, None)
+            if not plan:
+                plan = getattr(getattr(module, "config", None), attribute, None)
+                base = getattr(module, "base_model_prefix", "")
+                if attribute == "base_model_tp_plan" and base and isinstance(getattr(module, base, None), torch.nn.Module):
+                    owner = f"{name}.{base}" if name else base
             if isinstance(plan, dict) and plan:
-                return dict(plan)
+                return {(f"{owner}.{key}" if owner else key): style for key, style in plan.items()}
     return None
 
 
