@@ -255,7 +255,7 @@ def test_launch_four_cpu_processes_from_a_parallelism_config_file(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
     env.update(TORCHRIG_CONFIG_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torchrig", "launch", "--cpu", "--num_processes", "4", "--config_file", str(config),
-               SCRIPT, str(out), str(STEPS)]
+               "--log_dir", str(tmp_path / "logs"), SCRIPT, str(out), str(STEPS)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, start_new_session=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reports = [json.loads((out / f"report-{rank}.json").read_text()) for rank in range(4)]
