@@ -110,6 +110,14 @@ def test_fsdp_hybrid_sharding_and_a_mesh_together_are_refused(host, tmp_path):
     assert "both describe the mesh" in problems(host, config_file=run)
 
 
+def test_a_plan_or_loss_parallel_without_tp_is_refused_not_ignored(host, tmp_path):
+    run = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 2, "parallelism_config": {
+        "dp_shard_size": 2, "tp_plan": {"head": "output"}, "loss_parallel": True}})
+    text = problems(host, config_file=run)
+    assert "parallelism_config.tp_plan" in text and "parallelism_config.loss_parallel" in text
+    assert "no effect with tp_size 1" in text
+
+
 def test_fp16_with_tensor_parallel_alone_is_refused(host, tmp_path):
     run = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4, "mixed_precision": "fp16",
                                  "parallelism_config": {"tp_size": 4}})

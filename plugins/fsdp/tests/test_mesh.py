@@ -235,6 +235,25 @@ def test_parallelize_fn_gets_the_mesh_and_fsdp_shards_on_top(pool):
         assert len(placements) == 2 and local == (2 * DIM // 4, DIM)  # rows split over tp, then over dp_shard
 
 
+ONE_PROCESS = """
+import torch
+from torchrig import Accelerator
+from torchrig.errors import ConfigError
+try:
+    Accelerator(cpu=True, strategy="fsdp", parallelism_config={"tp_size": 2})
+except ConfigError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_one_process_asking_for_a_mesh_is_refused_not_run_unsharded(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
+    env.update(TORCHRIG_CONFIG_HOME=str(tmp_path), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", ONE_PROCESS], capture_output=True, text=True, timeout=120, env=env)
+    assert "refused:" in result.stdout and "parallelism_config.tp_size" in result.stdout, result.stderr[-2000:]
+    assert "world size is 1" in result.stdout
+
+
 # -- a real launch from a config file -----------------------------------------------------------------
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "launch_scripts", "mesh_train.py")

@@ -82,3 +82,4 @@ def test_a_model_declaring_its_own_plan_is_found():
     assert plan == {"model.blocks.*.mlp.up": "colwise", "model.blocks.*.mlp.down": "rowwise"}
     assert sorted(resolve_plan(head, plan, False, "plan")) == [
         "model.blocks.0.mlp.down", "model.blocks.0.mlp.up", "model.blocks.1.mlp.down", "model.blocks.1.mlp.up"]
+

@@ -69,9 +69,14 @@ def parallelism_problems(
     if not all(isinstance(size, int) for size in sizes.values()):
         return []  # a bad value is reported by the section's own validation
     checked: dict[str, int] = {axis: int(size) for axis, size in sizes.items()}  # type: ignore[arg-type]
-    if all(size == 1 for size in checked.values()):
-        return []  # no mesh asked for: the strategy's own layout applies
     problems = []
+    if checked["tp"] == 1:  # nothing would apply them: refused rather than ignored
+        for key in ("tp_plan", "loss_parallel"):
+            if values.get(f"{SECTION}.{key}"):
+                problems.append(Problem(f"{SECTION}.{key}", "has no effect with tp_size 1; set "
+                                        f"{SECTION}.tp_size (or remove {key})", where(f"{SECTION}.{key}")))
+    if all(size == 1 for size in checked.values()):
+        return problems  # no mesh asked for: the strategy's own layout applies
     resolved = checked
     if world_size is not None:
         resolved, found = infer_sizes(checked, world_size)

@@ -115,6 +115,8 @@ class FSDPStrategy:
     def torchrig_configure(self, run: RunContext) -> None:
         """Build the device mesh once per run (collective: hybrid meshes create sub-groups)."""
         if run.cluster.world_size <= 1:
+            if nd.parallelism(run).enabled:  # sizes that need several ranks are an error, not ignored
+                nd.mesh_layout(nd.parallelism(run), 1)
             run.stash[MESH] = None
             return
         from torch.distributed.device_mesh import init_device_mesh
