@@ -250,9 +250,7 @@ class TorchDynamoPlugin:
                                             flag="--dynamo_use_regional_compilation")
 
 
-#: Mesh axes in the order of the device mesh (outermost first), as Accelerate and torchtitan name them.
-MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
-#: Every axis a ``parallelism_config`` may set (``pp`` is outside the mesh above: pipeline stages).
+#: Every axis a ``parallelism_config`` may set, outermost first, as Accelerate and torchtitan name them.
 PARALLELISM_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 #: Tensor-parallel styles a ``tp_plan`` may name (torch.distributed.tensor.parallel's classes).
 #: Names, not objects, so that a plan can come from a file; docs/parallelism.md says what each does.
@@ -308,7 +306,7 @@ class ParallelismConfig:
 
     @property
     def enabled(self) -> bool:
-        """Whether any axis is set (all 1 and no plan: the strategy's own layout applies)."""
+        """Whether any size differs from 1 (all 1: the strategy's own layout applies)."""
         return any(size != 1 for size in self.sizes.values())
 
     @property
@@ -352,7 +350,6 @@ __all__ = [
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",
-    "MESH_AXES",
     "PARALLELISM_AXES",
     "ParallelismConfig",
     "PreemptionConfig",

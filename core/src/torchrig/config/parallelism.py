@@ -83,7 +83,7 @@ def parallelism_problems(
         problems += [Problem(key_of(axis), message, where(key_of(axis))) for axis, message in found]
     elif sum(1 for size in checked.values() if size == -1) > 1:
         _, found = infer_sizes(checked, 0)
-        problems += [Problem(key_of(axis), message, where(key_of(axis))) for axis, message in found if "one axis" in message]
+        problems += [Problem(key_of(axis), message, where(key_of(axis))) for axis, message in found]  # two -1 only
     if strategy is not None:
         supported = declared_axes.get(strategy, ())
         for axis, size in resolved.items():

@@ -51,7 +51,7 @@ def data_mesh(mesh: Any) -> Any:
     return mesh[names] if len(names) > 1 else mesh[names[0]]
 
 
-def data_parallel_layout(mesh: Any, rank: int) -> tuple[int, int]:
+def data_parallel_layout(mesh: Any) -> tuple[int, int]:
     """(size, rank) of data parallelism: ranks of one ``tp`` group get the same batches."""
     if mesh is None:
         return 1, 0

@@ -141,7 +141,7 @@ class FSDPStrategy:
         if mesh is None:
             return Capabilities(owns_precision=sharded, data_parallel_size=run.cluster.world_size,
                                 data_parallel_rank=run.cluster.rank)
-        size, rank = nd.data_parallel_layout(mesh, run.cluster.rank)
+        size, rank = nd.data_parallel_layout(mesh)
         # Tensor parallel alone shards nothing with fully_shard, so no MixedPrecisionPolicy casts:
         # the precision plugin's autocast applies then.
         owns = sharded and (not nd.parallelism(run).enabled or nd.data_mesh(mesh) is not None)
