@@ -63,11 +63,11 @@ def _loop(accelerator, model, optimizer, loader, reduced=None) -> list[float]:
 
 
 def _train(ctx, parallelism: dict, dp_size: int, mixed_precision: str = "no"):
-    from torchrig import Accelerator
+    from torchrig import Accelerator, ParallelismConfig
 
     with rank_environment(ctx.rank, ctx.world_size):
         accelerator = Accelerator(cpu=True, strategy="fsdp", gradient_accumulation_steps=ACCUMULATION,
-                                  parallelism_config=parallelism, mixed_precision=mixed_precision)
+                                  parallelism_config=ParallelismConfig(**parallelism), mixed_precision=mixed_precision)
         torch.manual_seed(0)
         model = TinyLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
