@@ -27,6 +27,7 @@ from torchrig.accelerator_arguments import accelerator_arguments
 from torchrig.checkpoint.export import parse_size, save_object, save_weights
 from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
+from torchrig.collectives import Collectives
 from torchrig.compile import compile_model
 from torchrig.config.options import PreemptionConfig, ProfileKwargs
 from torchrig.config.resolve import ResolvedConfig, Schema
@@ -446,6 +447,12 @@ class Accelerator(ProcessControl):
         return self._accumulate.enter(models)
 
     @property
+    def torch_device_mesh(self) -> Any:
+        """The run's ``DeviceMesh`` when the strategy built one (``parallelism_config``; named axes
+        ``dp_replicate``, ``dp_shard``, ``tp``), else None (Accelerate's name)."""
+        return self.strategy_capabilities.device_mesh
+
+    @property
     def strategy_capabilities(self) -> Capabilities:
         """What the selected strategy declared it owns (:class:`torchrig.types.Capabilities`)."""
         self._step_plan()
@@ -512,15 +519,23 @@ class Accelerator(ProcessControl):
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather for evaluation: on the last batch of a prepared dataloader, drop the samples
-        repeated to make batches even, so metrics count every sample exactly once."""
+        repeated to make batches even, so metrics count every sample exactly once. Gathers over
+        the data-parallel ranks (the ranks of a tensor-parallel group share their batches)."""
         tensors_only = not use_gather_object and _all_tensors(input_data)
-        data = self.gather(input_data) if tensors_only else self._collectives.gather_object(input_data)
+        collectives = self._data_parallel_collectives()
+        data = collectives.gather(input_data) if tensors_only else collectives.gather_object(input_data)
         state = self.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             if tensors_only:
                 return recursively_apply(lambda t: t[: state.remainder], data)
             return data[: state.remainder]
         return data
+
+    def _data_parallel_collectives(self) -> Any:
+        caps = self._run.capabilities  # declared at the first prepare(), which every prepared loader went through
+        if caps is None or caps.data_parallel_group is None:
+            return self._collectives
+        return Collectives(world_size=caps.data_parallel_size or 1, group=caps.data_parallel_group)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         result = self._collectives.reduce(tensor, reduction)

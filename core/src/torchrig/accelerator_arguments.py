@@ -14,14 +14,13 @@ from typing import Any
 
 import attrs
 
+from torchrig.config.parallelism import parallelism_argument
 from torchrig.config.resolve import Schema
 from torchrig.errors import ConfigError
 
 #: Accelerate arguments torchrig does not support, and why (passing one is an error, never ignored).
 _UNSUPPORTED_ARGUMENTS = {
-    "torch_tp_plugin": "tensor parallelism is not supported",
     "megatron_lm_plugin": "Megatron-LM is not supported",
-    "parallelism_config": "tensor/context parallelism is not supported",
     "deepspeed_plugins": "several DeepSpeed configurations per Accelerator are not supported; each prepared model "
     "gets its own engine from the one deepspeed_plugin",
 }
@@ -64,6 +63,10 @@ def accelerator_arguments(schema: Schema, **kwargs: Any) -> dict[str, Any]:
     if log_with is not None:
         arguments["log_with"] = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
     split_batches = kwargs.pop("split_batches", None)
+    mesh, found = parallelism_argument(kwargs.pop("parallelism_config", None), kwargs.pop("torch_tp_plugin", None))
+    problems += found
+    if mesh is not None:
+        arguments["parallelism_config"] = mesh
     for name in ("dataloader_config", "project_config", "gradient_accumulation_plugin", "dynamo_plugin",
                  "deepspeed_plugin", "fsdp_plugin"):
         obj = kwargs.pop(name, None)

@@ -244,8 +244,9 @@ def torchrig_strategy_capabilities(run: RunContext) -> Capabilities | None:
     declared by filling their slots in ``torchrig_strategy_step_plan``, and its checkpoint format
     by implementing ``torchrig_save_strategy_state``/``torchrig_load_strategy_state`` — never
     twice. DDP: replicated parameters; FSDP2: owns precision (its MixedPrecisionPolicy),
-    sharded; DeepSpeed: owns accumulation and precision; an N-D mesh: the data-parallel size and
-    rank of its DP sub-mesh (loaders shard by them, not by the world).
+    sharded; DeepSpeed: owns accumulation and precision; an N-D mesh (``parallelism_config``): the
+    data-parallel size and rank of its DP sub-mesh (loaders shard by them, not by the world) and
+    the mesh itself in ``device_mesh`` (``accelerator.torch_device_mesh``).
 
     - phase: preparation, once before the first model is prepared.
     - ranks: every worker. kind: firstresult (the selected strategy answers).

@@ -55,6 +55,10 @@ class PluginManifest:
     #: Other values that select this plugin in configuration, compared case-insensitively: a
     #: strategy lists the Accelerate ``distributed_type`` values it serves (``"MULTI_GPU"``).
     aliases: ClassVar[tuple[str, ...]] = ()
+    #: Strategy: the ``parallelism_config`` axes it can build (``"dp_replicate"``, ``"dp_shard"``, ``"tp"``,
+    #: ``"cp"``, ``"pp"``); a run asking for any other axis > 1 is refused before launch, naming the
+    #: strategies that declare it (docs/parallelism.md).
+    parallelism_axes: ClassVar[tuple[str, ...]] = ()
     #: A strategy that is the default when a job has several processes and names no strategy.
     default_for_distributed: ClassVar[bool] = False
     #: Public names this plugin provides as ``torchrig.<name>`` (``{"DeepSpeedPlugin":

@@ -23,3 +23,12 @@ class TestFSDPStrategyBF16(StrategyContract):
     world_size = 2
     options = {"mixed_precision": "bf16"}
     atol = 5e-2
+
+
+class TestFSDPStrategyMesh(StrategyContract):
+    """An explicit mesh from parallelism_config: 2 replicas x 1 shard (HSDP layout, fully_shard over a 2-D mesh)."""
+
+    strategy = "fsdp"
+    world_size = 2
+    options = {"parallelism_config": {"dp_replicate_size": 2}}
+    invalid_configs = [({"parallelism_config": {"dp_shard_size": -1, "tp_size": -1}}, "parallelism_config.tp_size")]

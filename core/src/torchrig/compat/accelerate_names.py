@@ -46,9 +46,13 @@ DEEPSPEED_INTERNAL = Refused(
     "an internal part of Accelerate's DeepSpeed integration",
     "the deepspeed strategy's prepared objects: the model, optimizer and scheduler accelerator.prepare() returns "
     "(docs/deepspeed.md)")
-PARALLELISM = Refused(
-    "tensor, context and pipeline parallelism (ParallelismConfig, TorchTensorParallelPlugin) are not available yet",
-    "FullyShardedDataParallelPlugin for FSDP2 sharding (HYBRID_SHARD for HSDP), or the deepspeed strategy")
+CONTEXT_PARALLEL = Refused(
+    "context parallelism is not available yet (it runs on GPUs only: the CPU attention op has no sharding rule)",
+    "ParallelismConfig(dp_replicate_size=, dp_shard_size=, tp_size=) for data and tensor parallelism "
+    "(docs/parallelism.md)")
+ASYNC_TP = Refused(
+    "Accelerate's tensor-parallel handler (async TP) is not available: async TP runs on GPUs only",
+    "ParallelismConfig(tp_size=N, tp_plan=...) for tensor parallelism (docs/parallelism.md)")
 DEEPSPEED_SEQUENCE_PARALLEL = Refused("DeepSpeed-Ulysses/ALST sequence parallelism is not supported",
                                       "FullyShardedDataParallelPlugin or DeepSpeedPlugin without sequence parallelism")
 CHECKPOINT_INTERNAL = Refused(
@@ -113,9 +117,9 @@ UTILS_DATACLASSES: dict[str, Target] = {
     "add_model_config_to_megatron_parser": MEGATRON,
     "SageMakerDistributedType": SAGEMAKER,
     "DeepSpeedSequenceParallelConfig": DEEPSPEED_SEQUENCE_PARALLEL,
-    "TorchContextParallelConfig": PARALLELISM,
-    "TorchTensorParallelConfig": PARALLELISM,
-    "TorchTensorParallelPlugin": PARALLELISM,
+    "TorchContextParallelConfig": CONTEXT_PARALLEL,
+    "TorchTensorParallelConfig": ASYNC_TP,
+    "TorchTensorParallelPlugin": "torchrig.config.options:TorchTensorParallelPlugin",
 }
 
 UTILS_ENVIRONMENT: dict[str, Target] = {
@@ -254,7 +258,7 @@ UTILS_RANDOM: dict[str, Target] = {
 }
 
 UTILS_MISC: dict[str, Target] = {
-    "ParallelismConfig": PARALLELISM,
+    "ParallelismConfig": "torchrig.config.options:ParallelismConfig",
     "convert_model_to_fp8_ao": FromPlugin("convert_model_to_fp8_ao", FP8_PLUGIN),
     "filter_first_and_last_linear_layers": FromPlugin("filter_first_and_last_linear_layers", FP8_PLUGIN),
     "has_ao_layers": FromPlugin("has_ao_layers", FP8_PLUGIN),

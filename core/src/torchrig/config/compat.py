@@ -70,7 +70,8 @@ ACCELERATE_KEYS: tuple[AccelerateKey, ...] = (
     AccelerateKey("use_mps_device", "no_effect", "MPS is auto-detected; set device: mps to force it", accepts=_off),
     AccelerateKey("fp8_config", "no_effect", "no fp8 precision plugin is installed", accepts=_off),
     AccelerateKey("megatron_lm_config", "no_effect", "Megatron-LM is not supported", accepts=_off),
-    AccelerateKey("parallelism_config", "no_effect", "tensor/context parallelism is not supported", accepts=_off),
+    AccelerateKey("parallelism_config", "supported", "parallelism_config (ParallelismConfig: the device mesh; "
+                  "parallelism_config_<axis>_size keys accepted)"),
     AccelerateKey("ipex_config", "no_effect", "Intel Extension for PyTorch is not supported", accepts=_off),
     AccelerateKey("mpirun_config", "no_effect", "Accelerate's mpirun options are not read; `torchrig launch --cluster mpi` "
                   "hands off to mpirun with the `mpi` section (docs/clusters.md)",

@@ -10,6 +10,7 @@ live in their plugins. Torch-free.
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Any
 
 import attrs
@@ -249,6 +250,79 @@ class TorchDynamoPlugin:
                                             flag="--dynamo_use_regional_compilation")
 
 
+#: Every axis a ``parallelism_config`` may set, outermost first, as Accelerate and torchtitan name them.
+PARALLELISM_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+#: Tensor-parallel styles a ``tp_plan`` may name (torch.distributed.tensor.parallel's classes).
+#: Names, not objects, so that a plan can come from a file; docs/parallelism.md says what each does.
+TP_STYLES = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "prepare_input_sp", "rowwise_sp",
+             "embedding_sp", "output_sp")
+
+
+def _mesh_size(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+        raise ValueError(f"must be a positive integer or -1 (inferred from the world size), got {value!r}", attribute)
+
+
+def _tp_plan(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping of module-name patterns to styles, got {value!r}", attribute)
+    bad = {k: v for k, v in value.items() if v is not None and v not in TP_STYLES}
+    if bad:
+        pattern, style = next(iter(bad.items()))
+        raise ValueError(f"{pattern!r}: unknown style {style!r}; styles: {', '.join(TP_STYLES)} (or null: "
+                         "leave the module whole)", attribute)
+
+
+def _size_option(axis: str, what: str) -> Any:
+    # Accelerate's config files spell the keys parallelism_config_<axis>_size.
+    return option(1, help=f"{what} (-1: inferred from the world size)", validator=_mesh_size,
+                  flag=f"--{axis}_size", aliases=(f"parallelism_config_{axis}_size",))
+
+
+@attrs.frozen(kw_only=True)
+class ParallelismConfig:
+    """The device mesh of the run (Accelerate's ``ParallelismConfig``, plus ``pp_size``): how many
+    ranks each axis spans; their product is the world size. The strategy that builds the mesh
+    declares which axes it supports (``PluginManifest.parallelism_axes``); docs/parallelism.md."""
+
+    dp_replicate_size: int = _size_option("dp_replicate", "data-parallel replicas (HSDP: replicas of the shards)")
+    dp_shard_size: int = _size_option("dp_shard", "ranks each replica's parameters are sharded over (FSDP2)")
+    tp_size: int = _size_option("tp", "tensor-parallel degree")
+    cp_size: int = _size_option("cp", "context-parallel degree (GPU only)")
+    pp_size: int = _size_option("pp", "pipeline stages")
+    tp_plan: dict[str, str | None] | None = option(
+        None, help="tensor-parallel plan: module-name glob -> colwise, rowwise, embedding, output, or with sequence "
+        "parallel sequence_parallel, prepare_input_sp, rowwise_sp, embedding_sp, output_sp (null: leave whole); "
+        "default: the model's own base_model_tp_plan", validator=_tp_plan)
+    loss_parallel: bool = option(False, help="keep the output projection sharded over tp and compute the "
+                                 "cross-entropy on the shards (torch's loss_parallel)")
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each axis's size as configured (-1 not yet inferred)."""
+        return {axis: getattr(self, f"{axis}_size") for axis in PARALLELISM_AXES}
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any size differs from 1 (all 1: the strategy's own layout applies)."""
+        return any(size != 1 for size in self.sizes.values())
+
+    @property
+    def total_size(self) -> int:
+        """Product of the sizes (Accelerate's name); -1 axes count as 1."""
+        return math.prod(size for size in self.sizes.values() if size > 0)
+
+
+@attrs.frozen(kw_only=True)
+class TorchTensorParallelPlugin:
+    """Accelerate's older way to ask for tensor parallelism: ``Accelerator(torch_tp_plugin=
+    TorchTensorParallelPlugin(tp_size=N))`` sets ``parallelism_config.tp_size``."""
+
+    tp_size: int = option(1, help="tensor-parallel degree", validator=_mesh_size)
+
+
 #: The core's own sections, declared through ``torchrig_config_sections`` like any plugin's.
 CORE_SECTIONS: tuple[ConfigSection, ...] = (
     ConfigSection("dataloader_config", DataLoaderConfiguration, help="DataLoaderConfiguration"),
@@ -259,6 +333,8 @@ CORE_SECTIONS: tuple[ConfigSection, ...] = (
     ConfigSection("init_process_group_kwargs", InitProcessGroupKwargs, help="InitProcessGroupKwargs"),
     ConfigSection("profile_kwargs", ProfileKwargs, help="ProfileKwargs (accelerator.profile())"),
     ConfigSection("preemption", PreemptionConfig, help="PreemptionConfig (torchrig: checkpoint and stop on a signal)"),
+    ConfigSection("parallelism_config", ParallelismConfig, help="ParallelismConfig (the device mesh: data, tensor, "
+                  "context, pipeline parallel sizes)"),
     ConfigSection("dynamo_config", TorchDynamoPlugin, help="TorchDynamoPlugin (Accelerate's dynamo_config)",
                   default=TorchDynamoPlugin(backend="no")),
 )
@@ -274,8 +350,12 @@ __all__ = [
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",
+    "PARALLELISM_AXES",
+    "ParallelismConfig",
     "PreemptionConfig",
     "ProfileKwargs",
     "ProjectConfiguration",
+    "TP_STYLES",
     "TorchDynamoPlugin",
+    "TorchTensorParallelPlugin",
 ]

@@ -33,6 +33,7 @@ import attrs
 from torchrig.config import compat
 from torchrig.config.loader import Document, resolve_extends
 from torchrig.config.options import CoreOptions
+from torchrig.config.parallelism import parallelism_problems
 from torchrig.config.schema import (
     CoercionError,
     FieldSpec,
@@ -451,6 +452,9 @@ def resolve_config(
     core, sections = _build(schema, values, winners, problems)
     _choose_default_strategy(schema, values, winners, world_size, problems)
     _cross_checks(values, winners, problems)
+    problems += parallelism_problems(values, lambda key: _where(winners[key].source) if key in winners else None,
+                                     world_size=world_size or values.get("num_processes"),
+                                     strategy=values.get("strategy"), declared_axes=_declared_axes(schema))
 
     strict = bool(values.get("strict_config"))
     if strict:
@@ -658,6 +662,12 @@ def _cross_checks(values: Mapping[str, Any], winners: Mapping[str, Entry], probl
             f"({winners['gradient_accumulation_plugin.num_steps'].source}); set one of them"), where("gradient_accumulation_steps")))
     if values.get("use_cpu") and values.get("device") not in (None, "cpu"):
         problems.append(Problem("device", f"{values['device']!r} contradicts use_cpu: true", where("device")))
+
+
+def _declared_axes(schema: Schema) -> dict[str, tuple[str, ...]]:
+    """``parallelism_config`` axes each installed strategy's manifest declares."""
+    return {info.name: tuple(info.manifest.parallelism_axes) for info in schema.host.plugins("strategy")
+            if info.manifest is not None}
 
 
 def selected_plugin_keys(config: ResolvedConfig) -> list[str]:

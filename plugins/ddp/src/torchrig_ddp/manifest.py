@@ -28,6 +28,7 @@ class DDPManifest(PluginManifest):
     install_hint = "torchrig"
     #: Accelerate's data-parallel ``distributed_type`` values: DDP serves them on any device.
     aliases = ("MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU")
+    parallelism_axes = ("dp_replicate",)  # every rank holds a replica
     default_for_distributed = True
     distributed_type = "MULTI_{device}"
     exports = {

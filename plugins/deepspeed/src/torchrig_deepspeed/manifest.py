@@ -26,6 +26,7 @@ class DeepSpeedManifest(PluginManifest):
     install_hint = "torchrig[deepspeed]"
     requires = ("deepspeed",)
     aliases = ("DEEPSPEED",)
+    parallelism_axes = ("dp_shard",)  # ZeRO shards over every rank
     distributed_type = "DEEPSPEED"
     state_attribute = "deepspeed_plugin"
     exports = {"DeepSpeedPlugin": "torchrig_deepspeed.options:DeepSpeedPlugin",

@@ -47,6 +47,7 @@ class FSDPManifest(PluginManifest):
     install_hint = "torchrig[fsdp]"
     requires = ()  # torch is a dependency of torchrig itself
     aliases = ("FSDP",)
+    parallelism_axes = ("dp_replicate", "dp_shard", "tp")  # the N-D mesh: torchrig_fsdp.mesh
     distributed_type = "FSDP"
     state_attribute = "fsdp_plugin"
     exports = {
@@ -115,6 +116,22 @@ def fsdp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
         problems.append(ConfigProblem(f"{SECTION}.cpu_ram_efficient_loading", (
             "needs sync_module_states: true: only rank 0 loads the weights, the other ranks receive them by the "
             "broadcast that sync_module_states performs")))
+    mesh_sizes = [get(f"parallelism_config.{axis}_size", 1) for axis in ("dp_replicate", "dp_shard", "tp", "cp", "pp")]
+    if strategy in (*HYBRID, "NO_SHARD") and any(size != 1 for size in mesh_sizes):
+        problems.append(ConfigProblem(f"{SECTION}.sharding_strategy", (
+            f"{strategy} and parallelism_config both describe the mesh; with parallelism_config set "
+            "parallelism_config.dp_replicate_size (replicas) and dp_shard_size (shards per replica) instead")))
+    tp = get("parallelism_config.tp_size", 1)
+    data = [get(f"parallelism_config.{axis}_size", 1) for axis in ("dp_replicate", "dp_shard")]
+    if get("mixed_precision") == "fp16" and tp not in (1, None) and all(size == 1 for size in data):
+        problems.append(ConfigProblem("mixed_precision", (
+            "fp16 with tensor parallel alone (no dp_shard/dp_replicate axis) is not supported: the loss scaler cannot "
+            "unscale plain and tensor-parallel gradients together; use bf16, or add a data axis "
+            "(parallelism_config.dp_shard_size)")))
+    if get("dataloader_config.dispatch_batches") and tp != 1:
+        problems.append(ConfigProblem("dataloader_config.dispatch_batches", (
+            f"the main process would send batches to every rank, but with tp_size={tp} the ranks of one tensor-parallel "
+            "group must get the same batch; set dispatch_batches: false (each data-parallel rank reads its own)")))
     if get(f"{SECTION}.activation_checkpointing") and get(f"{SECTION}.auto_wrap_policy") == "NO_WRAP":
         problems.append(ConfigProblem(f"{SECTION}.activation_checkpointing", (
             "checkpoints each wrapped block, but auto_wrap_policy is NO_WRAP (no blocks); use TRANSFORMER_BASED_WRAP "

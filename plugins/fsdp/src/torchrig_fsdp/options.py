@@ -290,6 +290,9 @@ class FullyShardedDataParallelPlugin:
         aliases=_fsdp("use_orig_params"))
     param_init_fn: Any = option(None, help="initialises modules created on the meta device (Python only)",
                                 python_only=True)
+    parallelize_fn: Any = option(None, help="parallelize_fn(model, mesh): applies tensor parallelism itself "
+                                 "instead of parallelism_config.tp_plan, before sharding (Python only)",
+                                 python_only=True)
     sync_module_states: bool = option(
         True, help="broadcast rank 0's parameters and buffers after sharding so every rank starts equal",
         aliases=_fsdp("sync_module_states"))

@@ -36,6 +36,7 @@ from torchrig.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_loss
 from torchrig.types import Capabilities, PreparedModel, StashKey
 
 from torchrig_fsdp import checkpoint as fsdp_checkpoint
+from torchrig_fsdp import mesh as nd
 from torchrig_fsdp.manifest import HYBRID, SECTION
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
@@ -43,9 +44,18 @@ logger = get_logger(__name__)
 
 #: The device mesh of this run (built in ``torchrig_configure``; ``None`` with one process).
 MESH = StashKey[Any]("fsdp.mesh")
+#: The process group of this rank's data-parallel peers when the mesh has a ``tp`` axis (else None).
+DP_GROUP = StashKey[Any]("fsdp.dp_group")
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+
+
+#: fp16 needs a loss scaler that sees every gradient as a DTensor (ShardedGradScaler); with tensor
+#: parallel alone the parameters outside the plan stay plain tensors, and torch's unscale refuses the mix.
+_FP16_TP_ALONE = ("mixed_precision: fp16 with tensor parallel alone (no dp_shard/dp_replicate axis) is not supported: "
+                  "the loss scaler cannot unscale plain and tensor-parallel gradients together; use bf16, or add a "
+                  "data axis (parallelism_config.dp_shard_size)")
 
 
 class FSDPConfigError(ValueError):
@@ -105,6 +115,8 @@ class FSDPStrategy:
     def torchrig_configure(self, run: RunContext) -> None:
         """Build the device mesh once per run (collective: hybrid meshes create sub-groups)."""
         if run.cluster.world_size <= 1:
+            if nd.parallelism(run).enabled:  # sizes that need several ranks are an error, not ignored
+                nd.mesh_layout(nd.parallelism(run), 1)
             run.stash[MESH] = None
             return
         from torch.distributed.device_mesh import init_device_mesh
@@ -112,15 +124,29 @@ class FSDPStrategy:
         options = fsdp_options(run)
         assert run.device is not None
         cluster = run.cluster
-        shape, names = mesh_shape(options.sharding_strategy, cluster.world_size, cluster.num_nodes,
-                                  cluster.local_world_size)
+        if nd.parallelism(run).enabled:  # parallelism_config describes the mesh (docs/parallelism.md)
+            shape, names = nd.mesh_layout(nd.parallelism(run), cluster.world_size)
+        else:
+            shape, names = mesh_shape(options.sharding_strategy, cluster.world_size, cluster.num_nodes,
+                                      cluster.local_world_size)
         run.stash[MESH] = init_device_mesh(run.device.device.type, shape, mesh_dim_names=names)
+        run.stash[DP_GROUP] = nd.data_parallel_group(run.stash[MESH])
         _explain_no_ops(options)
 
     @hookimpl
     def torchrig_strategy_capabilities(self, run: RunContext) -> Capabilities:
+        """Data parallelism spans dp_replicate x dp_shard: the ranks of one tp group share batches."""
+        mesh = run.stash.get(MESH)
         sharded = run.cluster.world_size > 1
-        return Capabilities(owns_precision=sharded, data_parallel_size=run.cluster.world_size, data_parallel_rank=run.cluster.rank)
+        if mesh is None:
+            return Capabilities(owns_precision=sharded, data_parallel_size=run.cluster.world_size,
+                                data_parallel_rank=run.cluster.rank)
+        size, rank = nd.data_parallel_layout(mesh)
+        # Tensor parallel alone shards nothing with fully_shard, so no MixedPrecisionPolicy casts:
+        # the precision plugin's autocast applies then.
+        owns = sharded and (not nd.parallelism(run).enabled or nd.data_mesh(mesh) is not None)
+        return Capabilities(owns_precision=owns, data_parallel_size=size, data_parallel_rank=rank, device_mesh=mesh,
+                            data_parallel_group=run.stash.get(DP_GROUP))
 
     # -- preparation -------------------------------------------------------------------------
 
@@ -146,11 +172,22 @@ class FSDPStrategy:
             rank0_state = model.state_dict() if run.cluster.is_main_process else {}
         elif options.sync_module_states:
             _broadcast_from_rank0(model)
+        nd.apply_tensor_parallel(run, model, mesh, options.parallelize_fn)
+        if nd.parallelism(run).loss_parallel:
+            nd.wrap_loss_parallel(model)
+        shard_mesh = nd.data_mesh(mesh) if nd.parallelism(run).enabled else mesh
+        if shard_mesh is None:  # tensor parallel alone: no data axis to shard over
+            if run.option("mixed_precision") == "fp16":
+                raise FSDPConfigError(_FP16_TP_ALONE)
+            _materialize(model, options, rank0_state, device, run)
+            for optimizer in prepared.optimizers:
+                remap_optimizer(optimizer, slots)
+            return prepared
         blocks = wrap_blocks(model, options, run)
         if options.activation_checkpointing:
             for block in blocks:
                 _checkpoint_forward(block)
-        kwargs = _shard_kwargs(run, options, model, mesh)
+        kwargs = _shard_kwargs(run, options, model, shard_mesh)
         policy = kwargs.pop("mp_policy")
         # Blocks return what they computed in (a block's output feeds the next block or the root's
         # own layers, in param_dtype); only the root's output is cast (output_dtype).
@@ -176,6 +213,8 @@ class FSDPStrategy:
         plan.set("clip_grad_norm", clip_grad_norm)
         if run.cluster.world_size > 1 and run.option("mixed_precision") == "fp16":
             self._install_scaler(run, plan)
+        if nd.parallelism(run).loss_parallel and run.cluster.world_size > 1:
+            plan.set("backward", nd.loss_parallel_backward(plan.get("backward")))
 
     def _install_scaler(self, run: RunContext, plan: StepPlanBuilder) -> None:
         """fp16: FSDP2 computes in fp16 (its policy), so the loss is scaled and the step goes

@@ -1,0 +1,121 @@
+"""Checks of ``parallelism_config`` (the device mesh) before any process starts, and the size
+inference the strategy that builds the mesh repeats with the real world size.
+
+Why here and generic: the launcher must refuse a mesh that cannot fit the job before starting
+workers, and the core never names a strategy — so which axes a strategy can build is read from
+its manifest (``PluginManifest.parallelism_axes``). Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import attrs
+
+from torchrig.config.options import PARALLELISM_AXES, ParallelismConfig, TorchTensorParallelPlugin
+from torchrig.config.schema import Problem
+
+SECTION = "parallelism_config"
+
+
+def key_of(axis: str) -> str:
+    return f"{SECTION}.{axis}_size"
+
+
+def infer_sizes(sizes: Mapping[str, int], world_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """``sizes`` with a ``-1`` axis replaced by what the world size leaves for it; the problems
+    found as ``(axis, message)`` (every one, not only the first)."""
+    problems: list[tuple[str, str]] = []
+    auto = [axis for axis, size in sizes.items() if size == -1]
+    fixed = math.prod(size for size in sizes.values() if size > 0)
+    given = ", ".join(f"{axis}_size={size}" for axis, size in sizes.items() if size != 1) or "every size 1"
+    resolved = dict(sizes)
+    if len(auto) > 1:
+        for axis in auto[1:]:
+            problems.append((axis, f"-1 is allowed on one axis only; {auto[0]}_size is -1 already (set this one "
+                                   "to a number)"))
+    elif len(auto) == 1:
+        if world_size % fixed:
+            problems.append((auto[0], f"-1 cannot be inferred: the world size {world_size} is not a multiple of the "
+                                      f"other sizes' product {fixed} ({given})"))
+        else:
+            resolved[auto[0]] = world_size // fixed
+    elif fixed != world_size:
+        problems.append((_culprit(sizes), f"the sizes multiply to {fixed} ({given}) but the world size is "
+                                          f"{world_size}; their product must equal it (or set one axis, usually "
+                                          "dp_shard_size, to -1)"))
+    return resolved, problems
+
+
+def _culprit(sizes: Mapping[str, int]) -> str:
+    """The axis a product mismatch is reported on: the last one set, else dp_shard."""
+    set_axes = [axis for axis, size in sizes.items() if size != 1]
+    return set_axes[-1] if set_axes else "dp_shard"
+
+
+def parallelism_problems(
+    values: Mapping[str, object],
+    where: Callable[[str], str | None],
+    *,
+    world_size: int | None,
+    strategy: str | None,
+    declared_axes: Mapping[str, tuple[str, ...]],
+) -> list[Problem]:
+    """Every problem of the resolved ``parallelism_config`` values: a product that does not match
+    the world size (when it is known), two ``-1`` axes, and axes > 1 that the selected strategy
+    does not declare (naming the strategies that do). ``where(key)`` gives a key's source."""
+    sizes = {axis: values.get(key_of(axis)) for axis in PARALLELISM_AXES}
+    if not all(isinstance(size, int) for size in sizes.values()):
+        return []  # a bad value is reported by the section's own validation
+    checked: dict[str, int] = {axis: int(size) for axis, size in sizes.items()}  # type: ignore[arg-type]
+    problems = []
+    if checked["tp"] == 1:  # nothing would apply them: refused rather than ignored
+        for key in ("tp_plan", "loss_parallel"):
+            if values.get(f"{SECTION}.{key}"):
+                problems.append(Problem(f"{SECTION}.{key}", "has no effect with tp_size 1; set "
+                                        f"{SECTION}.tp_size (or remove {key})", where(f"{SECTION}.{key}")))
+    if all(size == 1 for size in checked.values()):
+        return problems  # no mesh asked for: the strategy's own layout applies
+    resolved = checked
+    if world_size is not None:
+        resolved, found = infer_sizes(checked, world_size)
+        problems += [Problem(key_of(axis), message, where(key_of(axis))) for axis, message in found]
+    elif sum(1 for size in checked.values() if size == -1) > 1:
+        _, found = infer_sizes(checked, 0)
+        problems += [Problem(key_of(axis), message, where(key_of(axis))) for axis, message in found]  # two -1 only
+    if strategy is not None:
+        supported = declared_axes.get(strategy, ())
+        for axis, size in resolved.items():
+            if size == 1 or size == -1 or axis in supported:  # -1 with an unknown world: judged at start
+                continue
+            others = sorted(name for name, axes in declared_axes.items() if axis in axes and name != strategy)
+            instead = (f"use strategy {' or '.join(others)}" if others else
+                       "no installed strategy declares it")
+            problems.append(Problem(key_of(axis), (
+                f"{axis}_size={size} but the strategy {strategy!r} does not build a {axis} axis (it declares "
+                f"{', '.join(supported) or 'none'}); {instead}"), where(key_of(axis))))
+    return problems
+
+
+def parallelism_argument(parallelism: object, tp_plugin: object) -> tuple[object, list[str]]:
+    """``Accelerator(parallelism_config=..., torch_tp_plugin=...)`` as the section's argument: a
+    ``ParallelismConfig`` or a mapping of its keys; Accelerate's older ``TorchTensorParallelPlugin
+    (tp_size=N)`` sets ``tp_size``. Returns the argument (None: neither given) and the problems."""
+    problems = []
+    if parallelism is not None and not isinstance(parallelism, (ParallelismConfig, Mapping)):
+        problems.append(f"Accelerator(parallelism_config=...): expected a ParallelismConfig or a mapping of its keys, "
+                        f"got {type(parallelism).__name__}")
+        parallelism = None
+    if tp_plugin is None:
+        return (dict(parallelism) if isinstance(parallelism, Mapping) else parallelism), problems
+    if not isinstance(tp_plugin, TorchTensorParallelPlugin):
+        problems.append(f"Accelerator(torch_tp_plugin=...): expected a TorchTensorParallelPlugin, got "
+                        f"{type(tp_plugin).__name__}")
+        return parallelism, problems
+    if isinstance(parallelism, ParallelismConfig):
+        return attrs.evolve(parallelism, tp_size=tp_plugin.tp_size), problems
+    return {**(parallelism or {}), "tp_size": tp_plugin.tp_size}, problems
+
+
+__all__ = ["SECTION", "infer_sizes", "key_of", "parallelism_argument", "parallelism_problems"]
