@@ -7,6 +7,7 @@ Top-level names are resolved lazily (PEP 562), so ``import torchrig`` costs almo
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from torchrig._version import __version__
@@ -73,6 +74,10 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), name)
     elif name.startswith("__"):
         raise AttributeError(f"module 'torchrig' has no attribute {name!r}")
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # ``from torchrig import <submodule>`` asks here before importing it: answer at the cost of
+        # a directory lookup, not of the Accelerate name table (the worker wrapper does this).
+        raise AttributeError(f"module 'torchrig' has no attribute {name!r} (a submodule: import it)")
     else:
         value = _compat_or_plugin_export(name)
     globals()[name] = value  # later lookups skip this function

@@ -47,7 +47,7 @@ from typing import Any
 from torchrig import preemption, run_status
 from torchrig.launch import status as _status
 from torchrig.launch.supervisor import supervise
-from torchrig.utils.environment import process_is_alive
+from torchrig.liveness import process_is_alive
 
 #: Seconds a rank gets to stop on its own after SIGTERM/SIGINT before it is ended from the
 #: watchdog thread (it is then stuck in native code). Below the launcher's SIGKILL grace.

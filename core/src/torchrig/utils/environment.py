@@ -223,20 +223,6 @@ def is_port_in_use(port: int | None = None) -> bool:
         return sock.connect_ex(("localhost", 29500 if port is None else port)) == 0
 
 
-def process_is_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (one owned by another user counts). Not
-    Accelerate's: the launcher's worker and the checkpoint temporaries' ownership check share it."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OverflowError, ValueError):  # not a pid at all (a damaged record)
-        return False
-    return True
-
-
 __all__ = [
     "ENV_PREFIX",
     "CPUInformation",
@@ -253,7 +239,6 @@ __all__ = [
     "parse_choice_from_env",
     "parse_flag_from_env",
     "patch_environment",
-    "process_is_alive",
     "purge_accelerate_environment",
     "str_to_bool",
 ]
