@@ -221,14 +221,24 @@ def test_send_to_device_moves_every_tensor_of_nested_batches():
 
 def test_device_placement_false_leaves_batches_alone(monkeypatch):
     data = TensorDataset(torch.arange(4))
-    placed = prepare_dataloader(make_run(), DataLoader(data, batch_size=2))
-    kept = prepare_dataloader(make_run(), DataLoader(data, batch_size=2), device_placement=False)
+    placed = PreparedDataLoader(DataLoader(data, batch_size=2), device="meta")
+    kept = PreparedDataLoader(DataLoader(data, batch_size=2), device="meta")
+    kept.device = prepare_dataloader(make_run(), DataLoader(data, batch_size=2), device_placement=False).device
     calls = []
     monkeypatch.setattr("torchrig.data.loader.send_to_device", lambda *a, **k: calls.append(a) or a[0])
     list(kept)
-    assert calls == []
+    assert calls == [] and kept.device is None
     list(placed)
-    assert len(calls) == 2 and calls[0][1] == torch.device("cpu")
+    assert len(calls) == 2 and calls[0][1] == torch.device("meta")
+
+
+def test_on_a_cpu_run_batches_are_not_walked_they_are_in_cpu_memory_already(monkeypatch):
+    loader = prepare_dataloader(make_run(), DataLoader(TensorDataset(torch.arange(4)), batch_size=2))
+    assert loader.device == torch.device("cpu")
+    calls = []
+    monkeypatch.setattr("torchrig.data.loader.send_to_device", lambda *a, **k: calls.append(a) or a[0])
+    assert [batch[0].tolist() for batch in loader] == [[0, 1], [2, 3]]
+    assert calls == []
 
 
 # --------------------------------------------------------------------------------------------

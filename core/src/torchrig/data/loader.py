@@ -542,9 +542,11 @@ class PreparedDataLoader:
         items: Iterator[tuple[Any, BatchMeta]] | None = None
         try:
             items = self._dispatched(p) if self.dispatch_batches else self._source(p, (self._layout.rank,))
-            device, non_blocking = self.device, self.non_blocking
             # Batches are placed as soon as they are read, so with non_blocking the copy of the
-            # batch read ahead overlaps the step on the current one.
+            # batch read ahead overlaps the step on the current one. A DataLoader's batches are in
+            # CPU memory: on a CPU run there is nothing to move, so nothing is walked per batch.
+            device = self.device if self.device is not None and self.device.type != "cpu" else None
+            non_blocking = self.non_blocking
             current = next(items, None)
             if current is not None and device is not None:
                 current = send_to_device(current[0], device, non_blocking), current[1]
