@@ -34,7 +34,7 @@ def _tensors() -> dict[str, torch.Tensor]:
 def test_every_dtype_and_shape_round_trips_through_the_library_with_the_files_digest(tmp_path):
     tensors = _tensors()
     path = str(tmp_path / "t.safetensors")
-    digest = hashed_safetensors.write_hashed(path, tensors, metadata={"format": "pt", "k": "v"})
+    digest = hashed_safetensors.write_hashed(path, tensors, metadata={"format": "pt", "k": "v"}).result()
     assert digest == hashlib.sha256(open(path, "rb").read()).hexdigest()
     loaded = load_file(path)
     assert loaded.keys() == tensors.keys()
@@ -48,7 +48,7 @@ def test_every_dtype_and_shape_round_trips_through_the_library_with_the_files_di
 
 def test_without_metadata_the_file_reads_with_no_metadata(tmp_path):
     path = str(tmp_path / "t.safetensors")
-    digest = hashed_safetensors.write_hashed(path, {"a": torch.ones(2), "b": torch.zeros(3, dtype=torch.int8)})
+    digest = hashed_safetensors.write_hashed(path, {"a": torch.ones(2), "b": torch.zeros(3, dtype=torch.int8)}).result()
     assert digest == hashlib.sha256(open(path, "rb").read()).hexdigest()
     with safe_open(path, framework="pt") as handle:
         assert not handle.metadata()

@@ -179,9 +179,9 @@ class CheckpointWriter:
         #: CPU buffers of deferred writes, reused by the next asynchronous save (see _snapshot).
         self.staging = staging if staging is not None else {}
         self._records: dict[str, FileRecord] = {}
-        self._pending: list[tuple[str, Callable[[Any, Any], None], Any, str | None, Callable[[str, Any], str] | None]] = []
+        self._pending: list[tuple[str, Callable[[Any, Any], None], Any, str | None, Callable[[str, Any], Any] | None]] = []
         self._unsynced: list[str] = []  # written on the fast path, fsynced in records()
-        self._hashing: dict[str, _BackgroundHash] = {}  # written on the fast path, hashed in the background
+        self._hashing: dict[str, Any] = {}  # name -> a digest being computed (.result())  # written on the fast path, hashed in the background
         self._lock = threading.Lock()
 
     # -- writing ---------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class CheckpointWriter:
         tensors = {key: value.contiguous() for key, value in tensors.items()}
         hashed_write = None
         if hashed_safetensors.supported(tensors):
-            def hashed_write(path: str, value: Mapping[str, Any]) -> str:
+            def hashed_write(path: str, value: Mapping[str, Any]) -> Any:
                 return hashed_safetensors.write_hashed(path, value, metadata=extra)
         return self._write(name, write, tensors, fault_phase, hashed_write=hashed_write)
 
@@ -225,7 +225,7 @@ class CheckpointWriter:
         return record
 
     def _write(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None,
-               hashed_write: Callable[[str, Any], str] | None = None) -> str:
+               hashed_write: Callable[[str, Any], Any] | None = None) -> str:
         name = _normalise(name)
         if self.deferred:
             self._pending.append((name, write, _snapshot(value, self.staging, name), fault_phase, hashed_write))
@@ -234,7 +234,7 @@ class CheckpointWriter:
         return name
 
     def _write_now(self, name: str, write: Callable[[Any, Any], None], value: Any, fault_phase: str | None,
-                   hashed_write: Callable[[str, Any], str] | None = None) -> None:
+                   hashed_write: Callable[[str, Any], Any] | None = None) -> None:
         path = os.path.join(self.directory, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if not (fault_phase and faults.armed(fault_phase, self.rank)):
@@ -243,17 +243,18 @@ class CheckpointWriter:
             # format that can be hashed while it is written is (hashed_write: safetensors, see
             # checkpoint.hashed_safetensors); any other file is hashed by a thread once written,
             # beside the next file's write (sha256 releases the GIL).
-            digest: str | None = None
+            hasher: Any = None
             try:
                 if self.hashing and hashed_write is not None:
-                    digest = hashed_write(path, value)
+                    hasher = hashed_write(path, value)
                 else:
                     write(path, value)
             except Exception as exc:  # OSError, torch.save's RuntimeError, safetensors' SafetensorError
                 raise CheckpointError(describe_write_failure(exc, path)) from exc
-            hasher = _BackgroundHash(path) if self.hashing and digest is None else None
+            if self.hashing and hasher is None:
+                hasher = _BackgroundHash(path)
             with self._lock:
-                self._records[name] = FileRecord(path=name, size=os.path.getsize(path), sha256=digest, rank=self.rank)
+                self._records[name] = FileRecord(path=name, size=os.path.getsize(path), rank=self.rank)
                 self._unsynced.append(path)
                 if hasher is not None:
                     self._hashing[name] = hasher

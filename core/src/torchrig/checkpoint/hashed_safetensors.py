@@ -6,8 +6,9 @@ renames at the end, so nothing can hash the file while it is written, and hashin
 the same format (https://github.com/huggingface/safetensors#format: an 8-byte little-endian
 header length, a JSON header padded with spaces to a multiple of 8, then every tensor's bytes
 at the offsets the header gives) straight from the tensors' memory, while a thread hashes the
-same bytes from memory: both release the GIL, so the two run side by side and a hashed save takes
-about as long as the slower of the two. The file is read back by the library itself
+same bytes from memory: both release the GIL, so the two run side by side — and the digest is
+only awaited when the checkpoint's file list is taken, so one file's hash also overlaps the next
+file's write. The file is read back by the library itself
 (``safe_open``); the tests check that round trip for every dtype and shape it supports.
 Anything it does not handle (a dtype not in the table) goes to the library and is hashed after.
 """
@@ -42,11 +43,50 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def write_hashed(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> str:
-    """Write ``tensors`` as a safetensors file at ``path`` and return the file's sha256.
+class PendingDigest:
+    """The sha256 of a file being hashed by a thread: :meth:`result` waits for it."""
 
-    Tensors are laid out by decreasing element size, then name (the library's order, which keeps
-    every tensor aligned to its element size). Not fsynced: the caller does that with the rest of
+    def __init__(self, parts: list[memoryview]) -> None:
+        self._parts = parts  # keeps the bytes alive until they are hashed
+        self._digest: str | None = None
+        self._failure: BaseException | None = None
+        self._thread: threading.Thread | None = threading.Thread(target=self._hash, name="torchrig-hash", daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError:  # no new threads at interpreter shutdown: hashed when asked
+            self._thread = None
+
+    def _hash(self) -> None:
+        try:
+            digest = hashlib.sha256()
+            for part in self._parts:
+                digest.update(part)
+            self._digest = digest.hexdigest()
+        except BaseException as exc:  # reported to whoever asks for the result
+            self._failure = exc
+        finally:
+            self._parts = []
+
+    def result(self) -> str:
+        if self._thread is None:
+            self._hash()
+        else:
+            self._thread.join()
+        if self._failure is not None:
+            raise self._failure
+        assert self._digest is not None
+        return self._digest
+
+
+def write_hashed(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> PendingDigest:
+    """Write ``tensors`` as a safetensors file at ``path``; the returned :class:`PendingDigest`
+    is the file's sha256, computed by a thread from the same bytes while (and after) they are
+    written — so the next file's write overlaps this one's hash too.
+
+    The tensors must not change until the digest's ``result()`` returned (``save_state`` asks
+    for every digest before it commits, and training does not run in between). Tensors are
+    laid out by decreasing element size, then name (the library's order, which keeps every
+    tensor aligned to its element size). Not fsynced: the caller does that with the rest of
     the checkpoint."""
     ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
@@ -62,32 +102,11 @@ def write_hashed(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mappi
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     parts = [memoryview(struct.pack("<Q", len(encoded)) + encoded), *views]
-
-    digest = hashlib.sha256()
-    failure: list[BaseException] = []
-
-    def hash_parts() -> None:
-        try:
-            for part in parts:
-                digest.update(part)
-        except BaseException as exc:  # reported by the caller's thread
-            failure.append(exc)
-
-    hasher = threading.Thread(target=hash_parts, name="torchrig-hash", daemon=True)
-    try:
-        hasher.start()
-    except RuntimeError:  # no new threads at interpreter shutdown: hash after writing
-        hasher = None
+    pending = PendingDigest(parts)
     with open(path, "wb") as handle:
         for part in parts:
             handle.write(part)
-    if hasher is None:
-        hash_parts()
-    else:
-        hasher.join()
-    if failure:
-        raise failure[0]
-    return digest.hexdigest()
+    return pending
 
 
-__all__ = ["DTYPE_CODES", "supported", "write_hashed"]
+__all__ = ["DTYPE_CODES", "PendingDigest", "supported", "write_hashed"]
