@@ -95,13 +95,14 @@ def index_parts(order: Any, n: int, start: int, layout: Layout, slots: Sequence[
     g = b * world
     if isinstance(order, torch.Tensor):
         order = order.tolist()  # once per epoch (as torch's samplers do): list slices are cheap
-    take = order.__getitem__ if type(order) is list else (lambda part: list(order[part]))
+    listed = type(order) is list  # else a range (sequential sampling, never materialised)
+    meta = tuple.__new__  # a BatchMeta without a Python-level __new__ call per batch
     pos, index = start, 0
     while pos + g <= n:  # full global batches
         for slot in slots:
             lo = pos + slot * b
-            record(BatchMeta(index, g, world, slot, world))
-            yield take(slice(lo, lo + b))
+            record(meta(BatchMeta, (index, g, world, slot, world)))
+            yield order[lo:lo + b] if listed else list(order[lo:lo + b])
         pos += g
         index += 1
     real = n - pos
