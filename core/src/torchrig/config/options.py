@@ -203,7 +203,8 @@ class ThroughputMonitorConfig(KwargsHandler):
 
     enabled: bool = option(False, help="measure throughput and log it every log_every_n_steps optimizer steps "
                            "(off: nothing is added to the step)")
-    log_every_n_steps: int = option(10, help="optimizer steps between two logged measurements",
+    log_every_n_steps: int = option(50, help="optimizer steps between two logged measurements (each costs "
+                                    "~60 us on a CPU: memory, rates, the tracker call)",
                                     validator=at_least(1))
     window_size: int = option(1, help="logging intervals the rates average over (1: the last log_every_n_steps "
                               "steps)", validator=at_least(1))
