@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -193,3 +196,51 @@ def test_the_monitor_is_enabled_from_the_environment_and_bad_values_name_their_s
     monkeypatch.setenv("TORCHRIG_THROUGHPUT_MONITOR__LOG_EVERY_N_STEPS", "0")
     with pytest.raises(Exception, match=r"throughput_monitor\.log_every_n_steps \(environment TORCHRIG_THROUGHPUT"):
         Accelerator(cpu=True)
+
+
+TWO_RANK_SCRIPT = '''
+import sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchrig import Accelerator
+from torchrig.config.options import ThroughputMonitorConfig
+
+accelerator = Accelerator(cpu=True, log_with="jsonl", project_dir=sys.argv[1],
+                          kwargs_handlers=[ThroughputMonitorConfig(enabled=True, log_every_n_steps=5)])
+data = TensorDataset(torch.randn(16 * 32, 4), torch.randn(16 * 32, 2))  # 16 steps of 2 x 16 samples
+model = nn.Linear(4, 2)
+model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                               DataLoader(data, batch_size=16))
+accelerator.init_trackers("run")
+for x, y in loader:
+    accelerator.backward(F.mse_loss(model(x), y))
+    optimizer.step()
+    optimizer.zero_grad()
+print(f"rank {accelerator.process_index}: active={accelerator.throughput.active} logged={bool(accelerator.throughput.latest)}")
+accelerator.end_training()
+'''
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_count_global_samples_and_only_the_main_process_logs(tmp_path, process_guard):
+    script = tmp_path / "train.py"
+    script.write_text(TWO_RANK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
+    env.update(TORCHRIG_CONFIG_HOME=str(tmp_path / "config-home"), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "torchrig", "launch", "--cpu", "--num_processes", "2", str(script),
+                             str(tmp_path / "project")], start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    process_guard.track(proc)
+    out, _ = proc.communicate(timeout=200)
+    assert proc.returncode == 0, out
+    assert "rank 0: active=True logged=True" in out and "rank 1: active=False logged=False" in out, out
+    logs = [json.loads(line) for line in (tmp_path / "project" / "run" / "metrics.jsonl").read_text().splitlines()]
+    logs = [line for line in logs if line["event"] == "log"]
+    assert [line["step"] for line in logs] == [6, 11, 16]
+    for line in logs:
+        values = line["values"]
+        # One global batch is 2 ranks × 16 samples per optimizer step.
+        assert values["throughput/samples_per_sec"] * values["throughput/step_time"] == pytest.approx(32.0)
+        assert values["throughput/samples_per_sec_per_device"] == pytest.approx(values["throughput/samples_per_sec"] / 2)
