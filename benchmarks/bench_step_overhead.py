@@ -8,7 +8,10 @@ The loops run in this process on identical copies of the model and data; blocks 
 in a rotating order so machine noise hits all alike. Reported: median µs/step of each, the median
 added time per step and per-round ratio with a bootstrap 95% confidence interval, and the A/A
 noise floor (plain against plain-again). Goal: added ≤ 10 µs/step and ≤ 1.01×. Sub-rows: the
-step alone on pre-made batches (no loader), and inside ``accumulate``. Hugging Face Accelerate
+step alone on pre-made batches (no loader), inside ``accumulate``, and "torchrig + throughput
+monitor" (``throughput_monitor.enabled`` with its defaults: a measurement every 50 optimizer steps,
+to no tracker) against an Accelerator made the same way without it ("torchrig, monitor off"; goal
+≤ 5 µs/step). Hugging Face Accelerate
 and Lightning Fabric run the same loop (their own prepared loader) in the same rounds when
 installed (`pip install 'torchrig[bench]'`).
 
@@ -30,6 +33,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 BUDGET_US = 10.0
+MONITOR_BUDGET_US = 5.0
+MONITOR = "torchrig + throughput monitor"
+MONITOR_OFF = "torchrig, monitor off"  # its baseline: an Accelerator made the same way, without the monitor
 BUDGET_RATIO = 1.01
 BATCH = 64
 
@@ -145,6 +151,7 @@ def main() -> int:
     torch.set_num_threads(1)
 
     from torchrig import Accelerator
+    from torchrig.config.options import ThroughputMonitorConfig
 
     generator = torch.Generator().manual_seed(0)
     dataset = TensorDataset(torch.randn(args.steps * BATCH, 32, generator=generator),
@@ -152,12 +159,19 @@ def main() -> int:
     batches = [(dataset.tensors[0][i:i + BATCH], dataset.tensors[1][i:i + BATCH])
                for i in range(0, len(dataset), BATCH)]
     base = make_model()
-    models = {name: copy.deepcopy(base) for name in ("plain", "plain-again", "torchrig", "plain/batches", "torchrig/batches")}
+    models = {name: copy.deepcopy(base) for name in ("plain", "plain-again", "torchrig", "plain/batches", "torchrig/batches",
+                                                     MONITOR_OFF, MONITOR)}
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, model in models.items()}
     accelerator = Accelerator(cpu=True)
     rig_model, rig_optimizer, rig_loader = accelerator.prepare(models["torchrig"], optimizers["torchrig"],
                                                                DataLoader(dataset, batch_size=BATCH, shuffle=True))
     step_model, step_optimizer = accelerator.prepare(models["torchrig/batches"], optimizers["torchrig/batches"])
+    monitor_runs = {}
+    for name, enabled in ((MONITOR_OFF, False), (MONITOR, True)):
+        monitored = Accelerator(cpu=True, kwargs_handlers=[ThroughputMonitorConfig(enabled=enabled)])
+        monitor_model, monitor_optimizer, monitor_loader = monitored.prepare(
+            models[name], optimizers[name], DataLoader(dataset, batch_size=BATCH, shuffle=True))
+        monitor_runs[name] = loader_step_fn(monitor_model, monitor_optimizer, monitored.backward, monitor_loader)
 
     def plain_loader() -> DataLoader:
         return DataLoader(dataset, batch_size=BATCH, shuffle=True)
@@ -170,6 +184,7 @@ def main() -> int:
         "plain/batches": plain_step_fn(models["plain/batches"], optimizers["plain/batches"], batches),
         "torchrig/batches": framework_step_fn(step_model, step_optimizer, accelerator.backward, batches),
         "torchrig/accumulate": accumulate_step_fn(accelerator, step_model, step_optimizer, batches),
+        **monitor_runs,
     }
     for name, make in (("accelerate", accelerate_step_fn), ("fabric", fabric_step_fn)):
         peer = make(dataset)  # measured beside torchrig when installed (`pip install 'torchrig[bench]'`)
@@ -188,20 +203,26 @@ def main() -> int:
 
     print(f"B1 step overhead — MLP 32-64-64-10, batch {BATCH}, AdamW, 1 thread; {args.rounds} rounds × one "
           f"epoch of {args.steps} steps")
-    print(f"{'loop':<22} {'median µs/step':>15} {'added µs (median, 95% CI)':>32} {'ratio (median, 95% CI)':>30}")
+    print(f"{'loop':<29} {'median µs/step':>15} {'added µs (median, 95% CI)':>32} {'ratio (median, 95% CI)':>30}")
     added, ratio = {}, {}
     for name in runners:
-        baseline = samples["plain/batches" if name in ("torchrig/batches", "torchrig/accumulate") else "plain"]
+        baseline = samples["plain/batches" if name in ("torchrig/batches", "torchrig/accumulate")
+                           else MONITOR_OFF if name == MONITOR else "plain"]
         diffs = [a - b for a, b in zip(samples[name], baseline)]
         ratios = [a / b for a, b in zip(samples[name], baseline)]
         added[name], ratio[name] = statistics.median(diffs), statistics.median(ratios)
         (low, high), (rlow, rhigh) = bootstrap_ci(diffs), bootstrap_ci(ratios)
-        shown = "—" if name in ("plain", "plain/batches") else f"{added[name]:+.1f} [{low:+.1f}, {high:+.1f}]"
-        shown_ratio = "—" if name in ("plain", "plain/batches") else f"{ratio[name]:.4f} [{rlow:.4f}, {rhigh:.4f}]"
-        print(f"{name:<22} {statistics.median(samples[name]):>15.1f} {shown:>32} {shown_ratio:>30}")
+        shown = "—" if name in ("plain", "plain/batches", MONITOR_OFF) else f"{added[name]:+.1f} [{low:+.1f}, {high:+.1f}]"
+        shown_ratio = "—" if name in ("plain", "plain/batches", MONITOR_OFF) else f"{ratio[name]:.4f} [{rlow:.4f}, {rhigh:.4f}]"
+        print(f"{name:<29} {statistics.median(samples[name]):>15.1f} {shown:>32} {shown_ratio:>30}")
     noise = added["plain-again"]
     ok = added["torchrig"] <= BUDGET_US and ratio["torchrig"] <= BUDGET_RATIO
     print(f"A/A noise floor (plain-again − plain): {noise:+.1f} µs ({ratio['plain-again']:.4f}×)")
+    monitor_ok = added[MONITOR] <= MONITOR_BUDGET_US
+    print(f"B1 {MONITOR}: {added[MONITOR]:+.1f} µs/step over the same Accelerator without it (goal ≤ {MONITOR_BUDGET_US:.0f} µs): "
+          f"{'PASS' if monitor_ok else 'FAIL'}")
+    emit("B1 monitor", "added µs/step of the throughput monitor: torchrig + monitor vs torchrig, same real loop",
+         f"{added[MONITOR]:+.1f} µs ({ratio[MONITOR]:.4f}×)", f"≤ {MONITOR_BUDGET_US:.0f} µs", monitor_ok, {})
     print(f"B1 torchrig added {added['torchrig']:+.1f} µs/step, {ratio['torchrig']:.4f}× over a plain DataLoader loop "
           f"(goal ≤ {BUDGET_US:.0f} µs and ≤ {BUDGET_RATIO}×; A/A {noise:+.1f} µs); the step alone on pre-made "
           f"batches {added['torchrig/batches']:+.1f} µs: {'PASS' if ok else 'FAIL'}")
@@ -209,7 +230,7 @@ def main() -> int:
     emit("B1", "added µs/step, real loop: prepared DataLoader + step vs plain (tiny MLP, 1 thread); A/A beside it",
          f"{added['torchrig']:+.1f} µs, {ratio['torchrig']:.4f}× (A/A {noise:+.1f}; pre-made batches "
          f"{added['torchrig/batches']:+.1f})", f"≤ {BUDGET_US:.0f} µs, ≤ {BUDGET_RATIO}×", ok, peers)
-    return 0 if ok else 1
+    return 0 if ok and monitor_ok else 1
 
 
 if __name__ == "__main__":

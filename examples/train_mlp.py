@@ -6,7 +6,9 @@ Runs in seconds on a CPU; the same script runs on several processes or GPUs:
     torchrig launch --num_processes 2 examples/train_mlp.py        (once `torchrig launch` exists)
 
 It uses the usual Accelerate-style loop: prepare, accumulate, backward, clip_grad_norm_,
-gather_for_metrics, main_process_first, unwrap_model.
+gather_for_metrics, main_process_first, unwrap_model. With --throughput the throughput monitor
+measures samples/s, step time and peak memory every 10 optimizer steps and the progress line
+shows them (they also go to any tracker given with log_with).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchrig import Accelerator
+from torchrig.config.options import ThroughputMonitorConfig
 from torchrig.utils import set_seed
 from tqdm.auto import tqdm
 
@@ -38,10 +41,12 @@ def main() -> None:
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     parser.add_argument("--mixed_precision", default=None, help="no, fp16 or bf16 (default: from the configuration)")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--throughput", action="store_true", help="measure samples/s and show it in the progress line")
     args = parser.parse_args()
 
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision=args.mixed_precision)
+                              mixed_precision=args.mixed_precision,
+                              kwargs_handlers=[ThroughputMonitorConfig(enabled=args.throughput, log_every_n_steps=10)])
     set_seed(args.seed)
     with accelerator.main_process_first():
         train, evaluation = make_data(4096, seed=0), make_data(1000, seed=1)
@@ -68,7 +73,10 @@ def main() -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            progress.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+            shown = {"loss": f"{loss.item():.4f}"}
+            if accelerator.throughput.latest:  # measured every 10 optimizer steps with --throughput
+                shown["speed"] = accelerator.throughput.progress()
+            progress.set_postfix(shown, refresh=False)
 
         model.eval()
         correct = seen = 0
@@ -78,7 +86,8 @@ def main() -> None:
             predictions, labels = accelerator.gather_for_metrics((predictions, labels))
             correct += (predictions == labels).sum().item()
             seen += labels.numel()
-        accelerator.print(f"epoch {epoch}: loss {loss.item():.4f}, accuracy {correct / seen:.3f} on {seen} samples")
+        speed = f" ({accelerator.throughput.progress()})" if accelerator.throughput.latest else ""
+        accelerator.print(f"epoch {epoch}: loss {loss.item():.4f}, accuracy {correct / seen:.3f} on {seen} samples{speed}")
 
     weights = accelerator.unwrap_model(model).state_dict()
     accelerator.print(f"done: {accelerator.num_processes} process(es), strategy {accelerator.strategy}, "

@@ -22,9 +22,11 @@ def run_example(name: str, *args: str, tmp_path: pathlib.Path) -> subprocess.Com
 @pytest.mark.multiprocess
 @pytest.mark.timeout(360)
 def test_train_mlp_demo_learns(tmp_path):
-    result = run_example("train_mlp.py", "--epochs", "2", "--gradient_accumulation_steps", "2", tmp_path=tmp_path)
+    result = run_example("train_mlp.py", "--epochs", "2", "--gradient_accumulation_steps", "2", "--throughput",
+                         tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr
     last_epoch = [line for line in result.stdout.splitlines() if line.startswith("epoch 1:")][0]
+    assert "samples/s" in last_epoch and "ms/step" in last_epoch  # the throughput monitor's progress
     accuracy = float(last_epoch.split("accuracy ")[1].split()[0])
     assert accuracy > 0.8, result.stdout
     assert "on 1000 samples" in last_epoch  # gather_for_metrics counted every evaluation sample once

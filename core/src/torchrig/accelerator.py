@@ -29,7 +29,7 @@ from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.collectives import Collectives
 from torchrig.compile import compile_model
-from torchrig.config.options import PreemptionConfig, ProfileKwargs
+from torchrig.config.options import PreemptionConfig, ProfileKwargs, ThroughputMonitorConfig
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.data import standalone as standalone_data
 from torchrig.defaults import training as training_defaults
@@ -47,6 +47,7 @@ from torchrig.run import RunContext
 from torchrig.runtime import build_step_plan, declared_precision_type, end_run, open_run
 from torchrig.step_contexts import AccumulateContext, adjusted_autocast
 from torchrig.step_plan import StepPlan
+from torchrig.throughput import ThroughputMonitor, device_peak_flops, estimate_flops_per_token
 from torchrig.tracking import TrackerHub
 from torchrig.types import Capabilities, PreparedModel
 
@@ -135,6 +136,7 @@ class Accelerator(ProcessControl):
         self._checkpoints = CheckpointManager(self._ledger)
         self._trackers = TrackerHub(self._run)
         self._preemption = self._arm_preemption()
+        self._throughput = self._arm_throughput()
 
     def _arm_preemption(self) -> PreemptionWatch | None:
         """With ``preemption.signals`` set: record those signals, refuse what could not be honoured
@@ -162,6 +164,35 @@ class Accelerator(ProcessControl):
         watch = PreemptionWatch(self.num_processes, self._stop_for_preemption)
         self.gradient_state.step_boundary = watch.at_step_boundary
         return watch
+
+    def _arm_throughput(self) -> ThroughputMonitor:
+        """The monitor behind ``accelerator.throughput``; it measures only on the main process and
+        only when ``throughput_monitor.enabled`` (then :meth:`_step_plan` wraps ``optimizer_step``)."""
+        options = self._run.section(ThroughputMonitorConfig)
+        peak = options.peak_flops_per_device
+        if peak is None and options.enabled:
+            peak = device_peak_flops(self.device, self.mixed_precision)
+        state = self.gradient_state
+
+        def samples_per_step() -> int | None:
+            loader = state.active_dataloaders[-1] if state.active_dataloaders else None
+            size = getattr(loader, "total_batch_size", None)
+            return None if size is None else size * state.num_steps
+
+        def flops_per_token() -> float | None:
+            seq = options.tokens_per_sample
+            return None if seq is None or not self._models else estimate_flops_per_token(self._models[0].unwrapped, seq)
+
+        return ThroughputMonitor(options, world_size=self.num_processes, device=self.device,
+                                 active=options.enabled and self.is_main_process, log=self.log,
+                                 samples_per_step=samples_per_step, flops_per_token=flops_per_token,
+                                 peak_flops_per_device=peak)
+
+    @property
+    def throughput(self) -> ThroughputMonitor:
+        """The throughput monitor (``throughput_monitor`` config): ``latest`` values, ``progress()``,
+        ``update(samples=..., tokens=...)``; docs/trackers.md, "Throughput and MFU"."""
+        return self._throughput
 
     def _stop_for_preemption(self, signal_name: str) -> None:
         """Every rank, at the same step boundary: commit a checkpoint, end the run, requeue, exit."""
@@ -368,6 +399,9 @@ class Accelerator(ProcessControl):
             self._plan = build_step_plan(self._host, self._run)
             if self._preemption is not None:  # count optimizer steps: a preemption stops only after one
                 self._plan = attrs.evolve(self._plan, optimizer_step=self._preemption.wrap_optimizer_step(
+                    self._plan.optimizer_step))
+            if self._throughput.active:  # count optimizer steps, measure every log_every_n_steps
+                self._plan = attrs.evolve(self._plan, optimizer_step=self._throughput.wrap_optimizer_step(
                     self._plan.optimizer_step))
             self._plan_generation = self._host.generation
             for optimizer in self._optimizers:

@@ -196,6 +196,33 @@ class PreemptionConfig(KwargsHandler):
                             validator=between(0, 255))
 
 
+@attrs.frozen(kw_only=True)
+class ThroughputMonitorConfig(KwargsHandler):
+    """torchrig: samples/s, tokens/s, step time, MFU and peak memory, measured over windows of optimizer
+    steps on the main process and logged to the trackers (docs/trackers.md, "Throughput and MFU")."""
+
+    enabled: bool = option(False, help="measure throughput and log it every log_every_n_steps optimizer steps "
+                           "(off: nothing is added to the step)")
+    log_every_n_steps: int = option(50, help="optimizer steps between two logged measurements (each costs "
+                                    "~60 us on a CPU: memory, rates, the tracker call)",
+                                    validator=at_least(1))
+    window_size: int = option(1, help="logging intervals the rates average over (1: the last log_every_n_steps "
+                              "steps)", validator=at_least(1))
+    tokens_per_sample: int | None = option(None, help="tokens in one sample (the sequence length); None: no "
+                                           "tokens/s unless accelerator.throughput.update(tokens=...) says",
+                                           validator=at_least(1))
+    flops_per_token: float | None = option(None, help="training FLOPs (forward + backward) per token; None: "
+                                           "estimated for a transformer as 6*N + 12*layers*d_model*seq",
+                                           validator=at_least(0))
+    flops_per_sample: float | None = option(None, help="training FLOPs per sample, for models without tokens "
+                                            "(overrides flops_per_token)", validator=at_least(0))
+    peak_flops_per_device: float | None = option(None, help="peak FLOP/s of one device for MFU; None: the "
+                                                 "table entry of the GPU's name and the precision (CPU: no MFU)",
+                                                 validator=at_least(0))
+    sync_at_log: bool = option(False, help="synchronize the device before each measurement (exact to the step; "
+                               "without it the queued steps make the window rate exact anyway after the first)")
+
+
 #: ``ProfileKwargs.activities`` names, as Accelerate spells them (``torch.profiler.ProfilerActivity`` members).
 PROFILER_ACTIVITIES = ("cpu", "cuda", "xpu", "hpu", "mtia")
 
@@ -333,6 +360,8 @@ CORE_SECTIONS: tuple[ConfigSection, ...] = (
     ConfigSection("init_process_group_kwargs", InitProcessGroupKwargs, help="InitProcessGroupKwargs"),
     ConfigSection("profile_kwargs", ProfileKwargs, help="ProfileKwargs (accelerator.profile())"),
     ConfigSection("preemption", PreemptionConfig, help="PreemptionConfig (torchrig: checkpoint and stop on a signal)"),
+    ConfigSection("throughput_monitor", ThroughputMonitorConfig, help="ThroughputMonitorConfig (torchrig: "
+                  "samples/s, tokens/s, MFU, peak memory to the trackers)"),
     ConfigSection("parallelism_config", ParallelismConfig, help="ParallelismConfig (the device mesh: data, tensor, "
                   "context, pipeline parallel sizes)"),
     ConfigSection("dynamo_config", TorchDynamoPlugin, help="TorchDynamoPlugin (Accelerate's dynamo_config)",
@@ -356,6 +385,7 @@ __all__ = [
     "ProfileKwargs",
     "ProjectConfiguration",
     "TP_STYLES",
+    "ThroughputMonitorConfig",
     "TorchDynamoPlugin",
     "TorchTensorParallelPlugin",
 ]
