@@ -29,6 +29,7 @@ from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.collectives import Collectives
 from torchrig.compile import compile_model
+from torchrig.compile_check import CompileVerifier
 from torchrig.config.options import PreemptionConfig, ProfileKwargs, ThroughputMonitorConfig
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.data import standalone as standalone_data
@@ -137,6 +138,7 @@ class Accelerator(ProcessControl):
         self._trackers = TrackerHub(self._run)
         self._preemption = self._arm_preemption()
         self._throughput = self._arm_throughput()
+        self._compile_check = CompileVerifier(on_done=self._replan)
 
     def _arm_preemption(self) -> PreemptionWatch | None:
         """With ``preemption.signals`` set: record those signals, refuse what could not be honoured
@@ -331,7 +333,7 @@ class Accelerator(ProcessControl):
         optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
         schedulers = [i for i, a in enumerate(args) if _is_scheduler(a)]
         loaders = [i for i, a in enumerate(args) if isinstance(a, torch.utils.data.DataLoader)]
-        plan = self._step_plan()
+        self._step_plan()  # built before the strategy prepares (compile then rebuilds it)
         caps = self._run.capabilities
         assert caps is not None
 
@@ -357,13 +359,13 @@ class Accelerator(ProcessControl):
             self._models.append(prepared)
             result[m] = prepared.model
             for o, optimizer in zip(own, prepared.optimizers):
-                result[o] = self._wrap_optimizer(optimizer, plan)
+                result[o] = self._wrap_optimizer(optimizer, self._step_plan())
             for s, scheduler in zip(own_schedulers, prepared.schedulers):
                 result[s] = scheduler
         for o in optimizers:
             if o not in claimed:
                 self._check_late_optimizer(args[o])
-                result[o] = self._wrap_optimizer(args[o], plan)
+                result[o] = self._wrap_optimizer(args[o], self._step_plan())
         # A strategy may hand back another optimizer than the one given (DeepSpeed builds its own
         # in place of a placeholder): a scheduler follows what its optimizer became.
         became = {id(args[o]): result[o] for o in optimizers}
@@ -403,10 +405,22 @@ class Accelerator(ProcessControl):
             if self._throughput.active:  # count optimizer steps, measure every log_every_n_steps
                 self._plan = attrs.evolve(self._plan, optimizer_step=self._throughput.wrap_optimizer_step(
                     self._plan.optimizer_step))
+            if self._compile_check.active:  # the compile verdict after the first steps, then out of the plan
+                self._plan = attrs.evolve(self._plan, optimizer_step=self._compile_check.wrap_optimizer_step(
+                    self._plan.optimizer_step))
             self._plan_generation = self._host.generation
             for optimizer in self._optimizers:
                 optimizer.plan = self._plan
         return self._plan
+
+    def _replan(self) -> None:
+        self._plan = None
+        self._step_plan()
+
+    def compile_report(self) -> dict[str, Any]:
+        """Whether ``torch.compile`` took effect: per compiled module or region {compiled, calls,
+        frames, graphs, graph_breaks, recompiles} over the first steps, and the recompilations since."""
+        return self._compile_check.report()
 
     @property
     def step_plan(self) -> StepPlan:
@@ -459,6 +473,8 @@ class Accelerator(ProcessControl):
         dynamo = self.config.section("dynamo_config")
         if dynamo.backend != "no" and not dynamo.disable:
             model = compile_model(model, dynamo)
+            self._compile_check.watch(model, type(getattr(model, "_orig_mod", model)).__name__)
+            self._replan()
         return model
 
     # -- the training step ------------------------------------------------------------------

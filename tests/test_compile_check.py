@@ -1,0 +1,164 @@
+"""torch.compile that provably takes effect (issue 21): after the first optimizer steps the
+Accelerator says, per compiled module or region, whether compiled code ran, and warns naming the
+module when it did not (Accelerate #4188/#4253 ran the eager model and said nothing)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torchrig import Accelerator
+from torchrig.compile_check import CHECK_AFTER_STEPS, CompileVerifier
+from torchrig.config.options import TorchDynamoPlugin
+
+
+class Block(nn.Module):
+    def __init__(self, graph_break: bool = False):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.graph_break = graph_break
+
+    def forward(self, x):
+        x = self.linear(x)
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return torch.relu(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int = 3, graph_break: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(graph_break) for _ in range(blocks))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _train(accelerator: Accelerator, model: nn.Module, steps: int = CHECK_AFTER_STEPS + 1,
+           call: object = None) -> list[warnings.WarningMessage]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    forward = call(model) if call is not None else model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            loss = forward(torch.randn(4, 8)).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    return [w for w in caught if "torch.compile" in str(w.message)]
+
+
+def test_whole_model_compile_is_reported_compiled():
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager"))
+    caught = _train(accelerator, Stack())
+    report = accelerator.compile_report()
+    assert report["checked"] is True
+    assert list(report["modules"]) == ["Stack"]
+    stats = report["modules"]["Stack"]
+    assert stats["compiled"] and stats["calls"] == stats["compiled_calls"] == CHECK_AFTER_STEPS
+    assert stats["graphs"] >= 1
+    assert stats["graph_breaks"] == 0 and stats["recompiles"] == 0
+    assert caught == []
+
+
+def test_regional_compile_compiles_each_block():
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
+    caught = _train(accelerator, Stack(blocks=3))
+    modules = accelerator.compile_report()["modules"]
+    assert sorted(modules) == ["Stack.blocks.0", "Stack.blocks.1", "Stack.blocks.2"]
+    # every block ran compiled code in every call, though same-class blocks share cached graphs
+    # (a later block may compile nothing of its own: counters alone would call it eager)
+    assert all(stats["compiled"] and stats["compiled_calls"] == stats["calls"] == CHECK_AFTER_STEPS
+               for stats in modules.values())
+    assert modules["Stack.blocks.0"]["graphs"] >= 1
+    assert caught == []
+
+
+@pytest.mark.multiprocess  # inductor starts the C++ compiler
+def test_inductor_whole_model_runs_compiled():
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
+    _train(accelerator, Stack(blocks=1))
+    assert accelerator.compile_report()["modules"]["Stack"]["compiled"] is True
+
+
+def test_graph_break_is_counted_and_warned():
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
+    caught = _train(accelerator, Stack(blocks=2, graph_break=True))
+    modules = accelerator.compile_report()["modules"]
+    assert all(stats["compiled"] and stats["graph_breaks"] >= 1 for stats in modules.values())
+    assert [str(w.message).split("'")[1] for w in caught] == ["Stack.blocks.0", "Stack.blocks.1"]
+    assert all("graph break" in str(w.message) for w in caught)
+
+
+def test_compiled_module_not_the_one_called_is_named_in_a_warning():
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager"))
+    caught = _train(accelerator, Stack(), call=lambda compiled: compiled._orig_mod)  # runs the eager model
+    stats = accelerator.compile_report()["modules"]["Stack"]
+    assert stats["compiled"] is False and stats["calls"] == 0
+    assert len(caught) == 1
+    assert "'Stack' did not run compiled code" in str(caught[0].message)
+    assert "never called" in str(caught[0].message)
+
+
+def test_disabled_dynamo_is_reported(monkeypatch):
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager"))
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    caught = _train(accelerator, Stack())
+    stats = accelerator.compile_report()["modules"]["Stack"]
+    assert stats["calls"] == CHECK_AFTER_STEPS and stats["compiled"] is False
+    assert len(caught) == 1 and "ran eager every time" in str(caught[0].message)
+
+
+def test_check_leaves_the_step_plan_and_the_hooks():
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager"))
+    model = Stack()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    watched_step = accelerator.step_plan.optimizer_step
+    assert model._forward_pre_hooks and model._forward_hooks
+    for _ in range(CHECK_AFTER_STEPS):
+        accelerator.backward(model(torch.randn(4, 8)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert optimizer.plan is accelerator.step_plan
+    assert accelerator.step_plan.optimizer_step is not watched_step
+    assert accelerator.step_plan.optimizer_step.__qualname__ != watched_step.__qualname__
+
+
+def test_recompilations_after_the_check_are_counted_and_warned_once():
+    verifier = CompileVerifier(on_done=lambda: None, check_after_steps=1, recompile_warn_threshold=2)
+    model = torch.compile(Block(), backend="eager", dynamic=False)
+    verifier.watch(model, "Block")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(1, 8))
+        verifier.wrap_optimizer_step(lambda _: True)(None)
+        assert verifier.report()["modules"]["Block"]["compiled"] is True
+        for batch in range(2, 6):  # a new static shape each time: one recompilation each
+            model(torch.randn(batch, 8))
+    verifier.close()
+    assert verifier.report()["recompiles_after_check"] == 4
+    assert [w for w in caught if "did not run" in str(w.message)] == []
+    assert len([w for w in caught if "recompilations" in str(w.message)]) == 1
+    model(torch.randn(7, 8))  # closed: no longer counted
+    assert verifier.recompiles_after_check == 4
+
+
+def test_no_compile_no_report():
+    accelerator = Accelerator(cpu=True)
+    _train(accelerator, Stack())
+    assert accelerator.compile_report() == {"checked": False, "recompiles_after_check": 0, "modules": {}}
