@@ -1,0 +1,99 @@
+"""torch.compile under FSDP2 takes effect (issue 21; Accelerate #4022 ran FSDP2 + regional compile
+2.4x slower): on 2 CPU ranks, whole-model and regional compile of the sharded model run compiled
+code on every rank, and a compiled module the run bypasses is named in a warning."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torchrig.testing.contracts import rank_environment
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 180
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from torchrig.testing.pool import WorkerPool
+    from torchrig.testing.processes import leftover_processes
+
+    workers = WorkerPool(world_size=2, env={"OMP_NUM_THREADS": "1"})
+    try:
+        yield workers
+    finally:
+        workers.close()
+        left = leftover_processes(sorted(workers.started_pids))
+        assert not left, f"the 2-rank pool left processes behind: {left}"
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _train(ctx, regional: bool, bypass: bool = False):
+    from torchrig import Accelerator
+    from torchrig.config.options import TorchDynamoPlugin
+
+    torch._dynamo.reset()
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", dynamo_plugin=TorchDynamoPlugin(
+            backend="eager", use_regional_compilation=regional))
+        torch.manual_seed(0)
+        model = Stack()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        forward = model._orig_mod if bypass else model
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(STEPS):
+                accelerator.backward(forward(torch.randn(4, 8)).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+        kinds = sorted({type(p).__name__ for p in model.parameters()})
+        return {"report": accelerator.compile_report(), "kinds": kinds,
+                "warnings": [str(w.message) for w in caught if "torch.compile" in str(w.message)]}
+
+
+def test_whole_model_compile_under_fsdp2_runs_compiled_on_every_rank(pool):
+    for result in pool.run(_train, False, timeout=TIMEOUT):
+        assert result["kinds"] == ["DTensor"]  # the compiled model is the sharded one
+        modules = result["report"]["modules"]
+        assert list(modules) == ["FSDPStack"], modules  # named by the prepared (sharded) model's class
+        assert modules["FSDPStack"]["compiled"] and modules["FSDPStack"]["compiled_calls"] == modules["FSDPStack"]["calls"] > 0
+        assert result["warnings"] == []
+
+
+def test_regional_compile_under_fsdp2_compiles_each_block_on_every_rank(pool):
+    for result in pool.run(_train, True, timeout=TIMEOUT):
+        modules = result["report"]["modules"]
+        assert sorted(modules) == ["FSDPStack.blocks.0", "FSDPStack.blocks.1"]
+        assert all(stats["compiled"] and stats["compiled_calls"] == stats["calls"] for stats in modules.values())
+        assert result["warnings"] == []
+
+
+def test_bypassed_compile_under_fsdp2_is_named_on_every_rank(pool):
+    for result in pool.run(_train, False, True, timeout=TIMEOUT):
+        assert result["report"]["modules"]["FSDPStack"]["compiled"] is False
+        assert len(result["warnings"]) == 1 and "'FSDPStack' did not run compiled code" in result["warnings"][0]
