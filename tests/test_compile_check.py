@@ -162,3 +162,24 @@ def test_no_compile_no_report():
     accelerator = Accelerator(cpu=True)
     _train(accelerator, Stack())
     assert accelerator.compile_report() == {"checked": False, "recompiles_after_check": 0, "modules": {}}
+
+
+def test_a_forward_that_raises_leaves_no_profiler_running():
+    verifier = CompileVerifier(on_done=lambda: None)
+    model = torch.compile(Block(), backend="eager")
+    verifier.watch(model, "Block")
+    with pytest.raises(RuntimeError):
+        model(torch.randn(4, 3))  # wrong feature size
+    assert not torch.autograd._profiler_enabled()
+    model(torch.randn(4, 8))
+    assert verifier.report()["modules"]["Block"]["compiled_calls"] == 1
+
+
+def test_a_model_prepared_after_the_verdict_gets_its_own():
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager"))
+    assert _train(accelerator, Stack()) == []
+    caught = _train(accelerator, Stack(), call=lambda compiled: compiled._orig_mod)
+    report = accelerator.compile_report()
+    assert report["checked"] is True
+    assert report["modules"]["Stack"]["compiled"] is True and report["modules"]["Stack#2"]["compiled"] is False
+    assert len(caught) == 1 and "'Stack#2'" in str(caught[0].message)

@@ -310,6 +310,7 @@ class Accelerator(ProcessControl):
         save to commit, and raises its failure. Then the run ends: plugins get
         ``torchrig_unconfigure`` (once; at interpreter exit instead when this is never called)."""
         report = self._trackers.finish()
+        self._compile_check.close()
         self._checkpoints.wait()
         end_run(self._run)
         return report

@@ -85,6 +85,7 @@ class CompileVerifier:
         self.check_after_steps = check_after_steps
         self.recompile_warn_threshold = recompile_warn_threshold
         self.stats: dict[str, ModuleCompileStats] = {}
+        self._pending: list[str] = []  # watched, no verdict yet
         self._handles: list[Any] = []
         self.steps = 0
         self.checked = False
@@ -98,9 +99,20 @@ class CompileVerifier:
         return bool(self._handles) and not self.checked
 
     def watch(self, model: torch.nn.Module, name: str) -> None:
-        """Hook every compiled wrapper in ``model`` (named ``name`` in the report)."""
-        for qualified, module in compiled_modules(model, name).items():
+        """Hook every compiled wrapper in ``model`` (named ``name`` in the report). A model
+        prepared after a verdict gets its own: ``check_after_steps`` more steps."""
+        taken = {key.split(".")[0] for key in self.stats}
+        unique, index = name, 1
+        while unique in taken:  # two prepared models of one class: "Net", "Net#2"
+            index += 1
+            unique = f"{name}#{index}"
+        found = compiled_modules(model, unique)
+        if found and self.checked:
+            self.close()
+            self.checked, self.steps = False, 0
+        for qualified, module in found.items():
             stats = self.stats.setdefault(qualified, ModuleCompileStats())
+            self._pending.append(qualified)
             before: list[tuple[Any, tuple[int, int, int, int]]] = []
 
             def pre_hook(_module: Any, _args: Any, before: list = before) -> None:
@@ -129,7 +141,8 @@ class CompileVerifier:
                 stats.calls += 1
 
             self._handles.append(module.register_forward_pre_hook(pre_hook))
-            self._handles.append(module.register_forward_hook(post_hook))
+            # always_call: a forward that raises must still stop the profiler the pre-hook started
+            self._handles.append(module.register_forward_hook(post_hook, always_call=True))
 
     def wrap_optimizer_step(self, step: Callable[[Any], bool]) -> Callable[[Any], bool]:
         """The plan's ``optimizer_step``, giving the verdict after ``check_after_steps`` steps."""
@@ -150,7 +163,8 @@ class CompileVerifier:
             handle.remove()
         self._handles.clear()
         self.checked = True
-        for name, stats in self.stats.items():
+        for name in self._pending:
+            stats = self.stats[name]
             reason = _why_not_compiled(stats)
             if reason:
                 warnings.warn(f"torch.compile: {name!r} did not run compiled code in the first {self.steps} "
@@ -158,6 +172,7 @@ class CompileVerifier:
             elif stats.graph_breaks:
                 warnings.warn(f"torch.compile: {name!r} ran compiled code split by {stats.graph_breaks} graph "
                               "break(s); TORCH_LOGS=graph_breaks shows where", RuntimeWarning, stacklevel=3)
+        self._pending.clear()
         self._end_callback = _count_recompiles(weakref.ref(self))
         callback_handler.register_end_callback(self._end_callback)
         self._on_done()
