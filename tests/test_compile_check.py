@@ -183,3 +183,42 @@ def test_a_model_prepared_after_the_verdict_gets_its_own():
     assert report["checked"] is True
     assert report["modules"]["Stack"]["compiled"] is True and report["modules"]["Stack#2"]["compiled"] is False
     assert len(caught) == 1 and "'Stack#2'" in str(caught[0].message)
+
+
+@torch.compiler.disable
+def _eager_only(x):
+    return x * 2
+
+
+class EagerBlock(Block):
+    @torch.compiler.disable
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+class CallsEagerOnly(Block):
+    def forward(self, x):
+        return _eager_only(self.linear(x))
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), EagerBlock(), CallsEagerOnly()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.sum(dim=1, keepdim=True)
+
+
+def test_uncompilable_code_is_reported_per_region():
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
+    caught = _train(accelerator, Mixed())
+    modules = accelerator.compile_report()["modules"]
+    assert modules["Mixed.blocks.0"]["compiled"] is True and modules["Mixed.blocks.0"]["graph_breaks"] == 0
+    assert modules["Mixed.blocks.1"]["compiled"] is False  # torch.compiler.disable on its forward
+    assert modules["Mixed.blocks.2"]["graph_breaks"] >= 1  # calls a function dynamo must not trace
+    named = {str(w.message).split("'")[1]: str(w.message) for w in caught}
+    assert "into no graph" in named["Mixed.blocks.1"]
+    assert "graph break" in named["Mixed.blocks.2"] and "Mixed.blocks.0" not in named

@@ -58,8 +58,10 @@ class ModuleCompileStats:
 
     @property
     def compiled(self) -> bool:
-        """Whether compiled code ran for it in some call."""
-        return self.compiled_calls > 0
+        """Whether compiled code ran for it in some call, and that code holds a graph: a frame dynamo
+        compiled into no graph (its forward under ``torch.compiler.disable``) runs everything eager.
+        No frame of its own is a cache hit on a same-class block's graph (regional compilation)."""
+        return self.compiled_calls > 0 and not (self.frames > 0 and self.graphs == 0)
 
     def as_dict(self) -> dict[str, Any]:
         return {"compiled": self.compiled, "calls": self.calls, "compiled_calls": self.compiled_calls, "frames": self.frames, "graphs": self.graphs,
@@ -202,6 +204,9 @@ def _why_not_compiled(stats: ModuleCompileStats) -> str:
     if stats.calls == 0:
         return ("it was never called; the model that ran is not the compiled one (a module replaced or called "
                 "through its original, e.g. `_orig_mod`, after compilation)")
+    if stats.compiled_calls > 0 and stats.frames > 0 and stats.graphs == 0:
+        return ("dynamo compiled its frame into no graph, so everything in it ran eager (a forward under "
+                "torch.compiler.disable, or a graph break before any tensor operation)")
     if stats.compiled_calls == 0:
         return (f"it was called {stats.calls} time(s) and ran eager every time (compilation disabled: "
                 "TORCH_COMPILE_DISABLE, torch._dynamo.config.disable or torch.compiler.disable; or dynamo skipped "
