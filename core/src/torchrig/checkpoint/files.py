@@ -18,7 +18,7 @@ import hashlib
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -126,11 +126,16 @@ class _StreamingFile:
         self._handle.close()
 
 
-def hash_file(path: str) -> str:
-    digest = hashlib.sha256()
+def _file_chunks(path: str) -> Iterator[bytes]:
     with open(path, "rb") as handle:
         while chunk := handle.read(_READ_CHUNK):
-            digest.update(chunk)
+            yield chunk
+
+
+def hash_file(path: str) -> str:
+    digest = hashlib.sha256()
+    for chunk in _file_chunks(path):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -252,7 +257,7 @@ class CheckpointWriter:
             except Exception as exc:  # OSError, torch.save's RuntimeError, safetensors' SafetensorError
                 raise CheckpointError(describe_write_failure(exc, path)) from exc
             if self.hashing and hasher is None:
-                hasher = _BackgroundHash(path)
+                hasher = PendingDigest(lambda: _file_chunks(path), path)
             with self._lock:
                 self._records[name] = FileRecord(path=name, size=os.path.getsize(path), rank=self.rank)
                 self._unsynced.append(path)
@@ -307,14 +312,17 @@ class CheckpointWriter:
             return sorted(self._records.values(), key=lambda r: r.path)
 
 
-class _BackgroundHash:
-    """sha256 of a file just written, computed by a thread of its own (inline when the
-    interpreter is shutting down and refuses new threads: the last async save of a script)."""
+class PendingDigest:
+    """The sha256 of some bytes (a file just written, or the tensors being written), computed by
+    a thread of its own so that hashing runs beside the next write (sha256 releases the GIL);
+    :meth:`result` waits for it. Inline when the interpreter is shutting down and refuses new
+    threads (the last async save of a script)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, chunks: Callable[[], Iterable[Any]], path: str) -> None:
         self.path = path
+        self._chunks: Callable[[], Iterable[Any]] | None = chunks
         self._digest: str | None = None
-        self._error: OSError | None = None
+        self._failure: BaseException | None = None
         self._thread: threading.Thread | None = threading.Thread(target=self._run, name="torchrig-hash", daemon=True)
         try:
             self._thread.start()
@@ -323,16 +331,24 @@ class _BackgroundHash:
             self._run()
 
     def _run(self) -> None:
+        chunks, digest = self._chunks, hashlib.sha256()
+        assert chunks is not None
         try:
-            self._digest = hash_file(self.path)
-        except OSError as exc:
-            self._error = exc
+            for chunk in chunks():
+                digest.update(chunk)
+            self._digest = digest.hexdigest()
+        except BaseException as exc:  # reported to whoever asks for the result
+            self._failure = exc
+        finally:
+            self._chunks = None  # the bytes need not stay alive any longer
 
     def result(self) -> str:
         if self._thread is not None:
             self._thread.join()
-        if self._error is not None:
-            raise CheckpointError(describe_os_error(self._error, self.path)) from self._error
+        if isinstance(self._failure, OSError):
+            raise CheckpointError(describe_os_error(self._failure, self.path)) from self._failure
+        if self._failure is not None:
+            raise self._failure
         assert self._digest is not None
         return self._digest
 
@@ -379,4 +395,4 @@ def _normalise(name: str) -> str:
     return name
 
 
-__all__ = ["CheckpointError", "CheckpointWriter", "FileRecord", "describe", "describe_os_error", "fsync_path", "hash_file"]
+__all__ = ["CheckpointError", "CheckpointWriter", "FileRecord", "PendingDigest", "describe", "describe_os_error", "fsync_path", "hash_file"]

@@ -15,14 +15,14 @@ Anything it does not handle (a dtype not in the table) goes to the library and i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from torchrig.checkpoint.files import PendingDigest
 
 #: torch dtype -> safetensors dtype code (the format's table; the library's readers accept each).
 DTYPE_CODES: dict[torch.dtype, str] = {
@@ -43,44 +43,9 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-class PendingDigest:
-    """The sha256 of a file being hashed by a thread: :meth:`result` waits for it."""
-
-    def __init__(self, parts: list[memoryview]) -> None:
-        self._parts = parts  # keeps the bytes alive until they are hashed
-        self._digest: str | None = None
-        self._failure: BaseException | None = None
-        self._thread: threading.Thread | None = threading.Thread(target=self._hash, name="torchrig-hash", daemon=True)
-        try:
-            self._thread.start()
-        except RuntimeError:  # no new threads at interpreter shutdown: hashed when asked
-            self._thread = None
-
-    def _hash(self) -> None:
-        try:
-            digest = hashlib.sha256()
-            for part in self._parts:
-                digest.update(part)
-            self._digest = digest.hexdigest()
-        except BaseException as exc:  # reported to whoever asks for the result
-            self._failure = exc
-        finally:
-            self._parts = []
-
-    def result(self) -> str:
-        if self._thread is None:
-            self._hash()
-        else:
-            self._thread.join()
-        if self._failure is not None:
-            raise self._failure
-        assert self._digest is not None
-        return self._digest
-
-
 def write_hashed(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> PendingDigest:
     """Write ``tensors`` as a safetensors file at ``path``; the returned :class:`PendingDigest`
-    is the file's sha256, computed by a thread from the same bytes while (and after) they are
+    (:class:`~torchrig.checkpoint.files.PendingDigest`) is the file's sha256, computed by a thread from the same bytes while (and after) they are
     written — so the next file's write overlaps this one's hash too.
 
     The tensors must not change until the digest's ``result()`` returned (``save_state`` asks
@@ -102,11 +67,11 @@ def write_hashed(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mappi
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     parts = [memoryview(struct.pack("<Q", len(encoded)) + encoded), *views]
-    pending = PendingDigest(parts)
+    pending = PendingDigest(lambda: parts, path)
     with open(path, "wb") as handle:
         for part in parts:
             handle.write(part)
     return pending
 
 
-__all__ = ["DTYPE_CODES", "PendingDigest", "supported", "write_hashed"]
+__all__ = ["DTYPE_CODES", "supported", "write_hashed"]
