@@ -18,16 +18,16 @@ import hashlib
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
 from torchrig.checkpoint import faults
+from torchrig.checkpoint.digests import PendingDigest, file_chunks
 from torchrig.errors import TorchrigError
 
 #: Bytes hashed per ``read`` when a file written by a library is hashed afterwards.
-_READ_CHUNK = 16 * 1024 * 1024
 #: errno values that mean "the disk (or the quota, or the file-size limit) is full".
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -126,15 +126,9 @@ class _StreamingFile:
         self._handle.close()
 
 
-def _file_chunks(path: str) -> Iterator[bytes]:
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_READ_CHUNK):
-            yield chunk
-
-
 def hash_file(path: str) -> str:
     digest = hashlib.sha256()
-    for chunk in _file_chunks(path):
+    for chunk in file_chunks(path):
         digest.update(chunk)
     return digest.hexdigest()
 
@@ -257,7 +251,7 @@ class CheckpointWriter:
             except Exception as exc:  # OSError, torch.save's RuntimeError, safetensors' SafetensorError
                 raise CheckpointError(describe_write_failure(exc, path)) from exc
             if self.hashing and hasher is None:
-                hasher = PendingDigest(lambda: _file_chunks(path), path)
+                hasher = PendingDigest(lambda: file_chunks(path), path)
             with self._lock:
                 self._records[name] = FileRecord(path=name, size=os.path.getsize(path), rank=self.rank)
                 self._unsynced.append(path)
@@ -305,52 +299,16 @@ class CheckpointWriter:
         for path, exc in zip(unsynced, outcomes):
             if exc is not None:  # a delayed write error (e.g. the disk filled up) surfaces here
                 raise CheckpointError(describe_os_error(exc, path)) from exc
-        digests = {name: hasher.result() for name, hasher in hashing.items()}
+        digests = {}
+        for name, hasher in hashing.items():
+            try:
+                digests[name] = hasher.result()
+            except OSError as exc:  # the file could not be read back
+                raise CheckpointError(describe_os_error(exc, hasher.path)) from exc
         with self._lock:
             for name, digest in digests.items():
                 self._records[name] = attrs.evolve(self._records[name], sha256=digest)
             return sorted(self._records.values(), key=lambda r: r.path)
-
-
-class PendingDigest:
-    """The sha256 of some bytes (a file just written, or the tensors being written), computed by
-    a thread of its own so that hashing runs beside the next write (sha256 releases the GIL);
-    :meth:`result` waits for it. Inline when the interpreter is shutting down and refuses new
-    threads (the last async save of a script)."""
-
-    def __init__(self, chunks: Callable[[], Iterable[Any]], path: str) -> None:
-        self.path = path
-        self._chunks: Callable[[], Iterable[Any]] | None = chunks
-        self._digest: str | None = None
-        self._failure: BaseException | None = None
-        self._thread: threading.Thread | None = threading.Thread(target=self._run, name="torchrig-hash", daemon=True)
-        try:
-            self._thread.start()
-        except RuntimeError:
-            self._thread = None
-            self._run()
-
-    def _run(self) -> None:
-        chunks, digest = self._chunks, hashlib.sha256()
-        assert chunks is not None
-        try:
-            for chunk in chunks():
-                digest.update(chunk)
-            self._digest = digest.hexdigest()
-        except BaseException as exc:  # reported to whoever asks for the result
-            self._failure = exc
-        finally:
-            self._chunks = None  # the bytes need not stay alive any longer
-
-    def result(self) -> str:
-        if self._thread is not None:
-            self._thread.join()
-        if isinstance(self._failure, OSError):
-            raise CheckpointError(describe_os_error(self._failure, self.path)) from self._failure
-        if self._failure is not None:
-            raise self._failure
-        assert self._digest is not None
-        return self._digest
 
 
 def _fsync_all(paths: list[str]) -> list[OSError | None]:
@@ -395,4 +353,4 @@ def _normalise(name: str) -> str:
     return name
 
 
-__all__ = ["CheckpointError", "CheckpointWriter", "FileRecord", "PendingDigest", "describe", "describe_os_error", "fsync_path", "hash_file"]
+__all__ = ["CheckpointError", "CheckpointWriter", "FileRecord", "describe", "describe_os_error", "fsync_path", "hash_file"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from torchrig.checkpoint.files import PendingDigest
+from torchrig.checkpoint.digests import PendingDigest
 
 #: torch dtype -> safetensors dtype code (the format's table; the library's readers accept each).
 DTYPE_CODES: dict[torch.dtype, str] = {
@@ -45,7 +45,7 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
 
 def write_hashed(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> PendingDigest:
     """Write ``tensors`` as a safetensors file at ``path``; the returned :class:`PendingDigest`
-    (:class:`~torchrig.checkpoint.files.PendingDigest`) is the file's sha256, computed by a thread from the same bytes while (and after) they are
+    (:class:`~torchrig.checkpoint.digests.PendingDigest`) is the file's sha256, computed by a thread from the same bytes while (and after) they are
     written — so the next file's write overlaps this one's hash too.
 
     The tensors must not change until the digest's ``result()`` returned (``save_state`` asks
