@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchrig.checkpoint.direct_read import read_into
 from torchrig.checkpoint.layout import numbered
 from torchrig.checkpoint.trust import check_loadable
 
@@ -116,21 +117,33 @@ def save_structured(writer: CheckpointWriter, state: Any, stem: str, fault_phase
     return writer.save_tensors(kept, f"{stem}.safetensors", metadata=metadata, fault_phase=fault_phase)
 
 
-def read_safetensors(path: str, location: Any = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt", device=str(location)) as handle:
-        state = {name: handle.get_tensor(name) for name in handle.keys()}
-        metadata = handle.metadata() or {}
+def read_safetensors(path: str, location: Any = "cpu",
+                     into: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A safetensors file's tensors (aliases restored) and metadata; tensors of ``into`` that match
+    an entry exactly are read in place and returned as themselves (:mod:`~torchrig.checkpoint.direct_read`)."""
+    state, metadata = read_into(path, into or {}, location)
     for alias, name in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
         state[alias] = state[name]
     return state, metadata
 
 
-def load_structured(directory: str, stem: str, location: Any = "cpu") -> Any:
+def _live_tensors(state: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a live nested state under the names :func:`encode_structure` gives them —
+    the names its saved copy has — or none when it holds something the encoding does not."""
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        encode_structure(state, tensors)
+    except _NotPlain:
+        return {}
+    return tensors
+
+
+def load_structured(directory: str, stem: str, location: Any = "cpu", live: Any = None) -> Any:
+    """A state written by :func:`save_structured`; tensors of the ``live`` state it replaces that
+    match are read in place (the state returned holds them)."""
     safe = os.path.join(directory, f"{stem}.safetensors")
     if os.path.exists(safe):
-        tensors, metadata = read_safetensors(safe, location)
+        tensors, metadata = read_safetensors(safe, location, _live_tensors(live) if live is not None else None)
         return decode_structure(json.loads(metadata[_STRUCTURE_KEY]), tensors)
     return torch.load(os.path.join(directory, f"{stem}.bin"), map_location=location, weights_only=True)
 
@@ -160,11 +173,13 @@ def save_plain_state(run: RunContext, prepared: Sequence[PreparedModel], writer:
     return written
 
 
-def read_model_file(directory: str, index: int, location: Any = "cpu") -> dict[str, Any]:
-    """The state dict of model ``index`` in a checkpoint, from whichever format it was saved in."""
+def read_model_file(directory: str, index: int, location: Any = "cpu",
+                    into: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The state dict of model ``index`` in a checkpoint, from whichever format it was saved in;
+    tensors of ``into`` (a live state dict) that match are read in place."""
     safe = os.path.join(directory, numbered("model", index, ".safetensors"))
     if os.path.exists(safe):
-        return read_safetensors(safe, location)[0]
+        return read_safetensors(safe, location, into)[0]
     return torch.load(os.path.join(directory, numbered("pytorch_model", index, ".bin")), map_location=location,
                       weights_only=True)
 
@@ -195,9 +210,10 @@ def load_plain_state(run: RunContext, prepared: Sequence[PreparedModel], directo
     assert run.device is not None
     location = run.device.device
     for index, item in enumerate(prepared):
-        item.unwrapped.load_state_dict(read_model_file(directory, index, "cpu"))
+        model = item.unwrapped
+        model.load_state_dict(read_model_file(directory, index, "cpu", into=model.state_dict()))
         for optimizer, stem in zip(item.optimizers, _optimizer_names(index, prepared)):
-            load_optimizer_state(optimizer, load_structured(directory, stem, location))
+            load_optimizer_state(optimizer, load_structured(directory, stem, location, live=optimizer.state_dict()))
 
 
 __all__ = ["ALIASES_KEY", "load_optimizer_state", "load_plain_state", "load_structured", "read_model_file", "save_plain_state", "save_structured", "split_aliases"]
