@@ -255,6 +255,29 @@ def test_changed_configuration_is_refused_with_a_diff_unless_allowed(tmp_path):
     other.load_state(tmp_path / "c", allow_config_change=True)
 
 
+def test_a_key_newer_than_the_checkpoint_left_at_its_default_is_no_configuration_change(tmp_path):
+    # A release that adds a fingerprinted key must still resume the checkpoints written before it.
+    accelerator, *_ = make_run()
+    directory = Path(accelerator.save_state(tmp_path / "c"))
+    manifest_path = directory / "torchrig_checkpoint.json"
+    manifest = json.loads(manifest_path.read_text())
+    recorded = manifest["fingerprint"]["config"]
+    assert recorded.pop("gradient_accumulation_steps") == 1 and recorded.pop("mixed_precision") == "no"
+    manifest_path.write_text(json.dumps(manifest))
+    make_run()[0].load_state(directory)  # both at their defaults now: what the old run did
+    changed = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    data = torch.utils.data.TensorDataset(torch.arange(24).float().unsqueeze(1).repeat(1, 4), torch.arange(24) % 2)
+    changed.prepare(model, optimizer, scheduler, torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+    changed.register_for_checkpointing(Counter())
+    with pytest.raises(CheckpointError) as info:
+        changed.load_state(directory)  # set by this run: it may not be what the old run did
+    assert "gradient_accumulation_steps: checkpoint '<absent>', now 4" in str(info.value)
+    assert "mixed_precision" not in str(info.value)
+
+
 def test_damaged_checkpoints_are_named_and_never_loaded(tmp_path):
     accelerator, *_ = make_run()
     directory = Path(accelerator.save_state(tmp_path / "c", hashes=True))

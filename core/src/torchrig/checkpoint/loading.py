@@ -137,7 +137,9 @@ def check_compatible(manager: ManagerView, directory: str, manifest: Mapping[str
         saved_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in saved_order]
         data_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in data_order]
     if not allow_config_change:
-        lines = diff(saved_config, config_keys)
+        is_set = getattr(ledger.run.config, "is_set", None)  # a resolved configuration knows each key's source
+        defaulted = [key for key in config_keys if is_set is not None and not is_set(key)]
+        lines = diff(saved_config, config_keys, defaulted)
         if saved.get("data_order") is not None and saved_order != data_order:
             lines.extend(f"data order, dataloader {line}" for line in diff(
                 {str(i): v for i, v in enumerate(saved_order)}, {str(i): v for i, v in enumerate(data_order)}))

@@ -18,7 +18,7 @@ import hashlib
 import json
 import random
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from torchrig.config.options import CORE_SECTIONS
@@ -148,9 +148,14 @@ def digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+def diff(saved: Mapping[str, Any], current: Mapping[str, Any], defaulted: Collection[str] = ()) -> list[str]:
+    """``key: checkpoint old, now new`` for each key that differs. A key in ``defaulted`` (this
+    run leaves it at its default) that the checkpoint does not record is no difference: the key
+    is newer than the checkpoint, and its default is what the run that wrote it did."""
     lines = []
     for key in sorted(set(saved) | set(current)):
+        if key not in saved and key in defaulted:
+            continue
         old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if old != new:
             lines.append(f"{key}: checkpoint {old!r}, now {new!r}")
