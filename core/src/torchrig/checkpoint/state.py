@@ -30,8 +30,9 @@ NON_FINGERPRINT_KEYS = frozenset({
     "dataloader_config.non_blocking",
 })
 #: Core option sections of the same kind: outputs, process-group setup, compilation, what a
-#: preemption does (a requeued job may well change it).
-NON_FINGERPRINT_SECTIONS = ("project_config", "init_process_group_kwargs", "dynamo_config", "preemption")
+#: preemption does (a requeued job may well change it), what is profiled and measured.
+NON_FINGERPRINT_SECTIONS = ("project_config", "init_process_group_kwargs", "dynamo_config", "preemption",
+                            "profile_kwargs", "throughput_monitor")
 #: The core's other option sections: they define what training computes, at any world size.
 FINGERPRINT_SECTIONS = tuple(section.key for section in CORE_SECTIONS if section.key not in NON_FINGERPRINT_SECTIONS)
 
