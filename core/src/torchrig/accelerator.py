@@ -30,6 +30,7 @@ from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.collectives import Collectives
 from torchrig.compile import compile_model
 from torchrig.compile_check import CompileVerifier
+from torchrig.conversion import convert_model
 from torchrig.config.options import PreemptionConfig, ProfileKwargs, ThroughputMonitorConfig
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.data import standalone as standalone_data
@@ -349,6 +350,7 @@ class Accelerator(ProcessControl):
                                      "model its own optimizer")
             claimed.update(own)
             own_schedulers = [s for s in schedulers if any(args[s].optimizer is args[o] for o in own)]
+            convert_model(self._host, self._run, model, [args[o] for o in own])  # fp8: before sharding/compile
             originals = {id(p): (weakref.ref(p), type(model).__name__) for p in model.parameters()}
             prepared = self._host.hook.torchrig_prepare_model(
                 run=self._run, model=model, optimizers=[args[o] for o in own],

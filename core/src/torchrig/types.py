@@ -66,6 +66,11 @@ class Capabilities:
     #: Every rank holds every parameter in full (a replica, not a shard), so parameters can be
     #: averaged across ranks in place (``LocalSGD``). False for sharding engines (FSDP, DeepSpeed ZeRO).
     replicated_parameters: bool = False
+    #: Parameters are sharded with torch's ``fully_shard`` (FSDP2): a parameter whose tensor
+    #: subclass implements ``fsdp_pre_all_gather``/``fsdp_post_all_gather`` (torchao's fp8
+    #: weights) is all-gathered in the dtype the subclass chooses. False for replicas (DDP) and
+    #: for engines that shard their own way (DeepSpeed ZeRO).
+    fully_shard_parameters: bool = False
     #: Ranks that see different data. Data-parallel strategies: every rank.
     data_parallel_size: int | None = None
     data_parallel_rank: int | None = None
