@@ -134,11 +134,32 @@ def convert(model: torch.nn.Module, options: AORecipeKwargs, *, emulate: bool,
     chosen = set(converted)
     float8.convert_to_float8_training(model, config=config,
                                       module_filter_fn=lambda module, name: name in chosen)
+    if _grad_weight_in_high_precision(config):
+        modules = dict(model.named_modules())
+        for name in converted:
+            modules[name].register_forward_pre_hook(_inputs_in_autocast_dtype)
     report = ConversionReport(model=type(model).__name__, recipe=options.recipe if options.config is None else "config",
                               converted=tuple(converted), skipped=skipped, emulate=bool(config.emulate),
                               fsdp_float8_all_gather=bool(config.enable_fsdp_float8_all_gather))
     setattr(model, REPORT_ATTRIBUTE, report)
     return report
+
+
+def _grad_weight_in_high_precision(config: Any) -> bool:
+    """The recipe computes the weight gradient from the saved high-precision input (rowwise_with_gw_hp)."""
+    cast = config.cast_config_input_for_grad_weight
+    return cast is not None and cast.scaling_type.value == "disabled"
+
+
+def _inputs_in_autocast_dtype(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Under autocast, hand a Float8Linear its input already in the autocast dtype (it casts it so
+    itself): torchao 0.18 saves the input as given for the high-precision weight-gradient matmul,
+    which then mixes an fp32 input with a bf16 gradient and fails."""
+    device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+    if device_type is None or not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 def conversion_report(model: Any) -> ConversionReport | None:

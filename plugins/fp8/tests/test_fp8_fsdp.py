@@ -1,0 +1,109 @@
+"""fp8 under FSDP2 on 2 CPU ranks (emulated): the model is converted before ``fully_shard``, the
+converted weights are all-gathered in fp8 (proven by torchao's pre-all-gather hook producing
+float8 data and by the all-gathers FSDP issues), the scales are precomputed after each optimizer
+step (in the step plan), and the model trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrig.testing.contracts import rank_environment
+
+from fp8_models import TinyLM, batches, lm_loss
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 240
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from torchrig.testing.pool import WorkerPool
+    from torchrig.testing.processes import leftover_processes
+
+    workers = WorkerPool(world_size=2, env={"OMP_NUM_THREADS": "1"})
+    try:
+        yield workers
+    finally:
+        workers.close()
+        left = leftover_processes(sorted(workers.started_pids))
+        assert not left, f"the 2-rank pool left processes behind: {left}"
+
+
+def _train(ctx, recipe: str = "tensorwise", all_gather=None):
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    from torchrig import Accelerator
+    from torchrig.testing.effects import assert_modules_converted, count_collectives
+    from torchrig_fp8.convert import conversion_report
+    from torchrig_fp8.options import AORecipeKwargs
+
+    gathered: list[str] = []  # dtype of every weight torchao handed FSDP to all-gather
+    precomputed: list[int] = []
+    original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+
+    def spy(self, mesh):  # torchao's signature: FSDP2 inspects it
+        inputs, metadata = original(self, mesh)
+        gathered.append(str(inputs[0].dtype))
+        precomputed.append(int(self._precomputed_scale is not None))
+        return inputs, metadata
+
+    WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = spy
+    try:
+        with rank_environment(ctx.rank, ctx.world_size):
+            accelerator = Accelerator(cpu=True, strategy="fsdp", mixed_precision="fp8", kwargs_handlers=[
+                AORecipeKwargs(emulate=True, recipe=recipe, enable_fsdp_float8_all_gather=all_gather)])
+            torch.manual_seed(0)
+            model = TinyLM()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            model, optimizer = accelerator.prepare(model, optimizer)
+            converted = assert_modules_converted(accelerator.unwrap_model(model), Float8Linear, count=9)
+            losses = []
+            for index, tokens in enumerate(batches(STEPS)):
+                if index == STEPS - 1:
+                    with count_collectives() as counts:
+                        loss = lm_loss(model, tokens)
+                        accelerator.backward(loss)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                else:
+                    loss = lm_loss(model, tokens)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                losses.append(loss.item())
+            report = conversion_report(accelerator.unwrap_model(model))
+            return {"losses": losses, "gathered": gathered, "precomputed": precomputed, "converted": converted,
+                    "report": report, "owner": accelerator.step_plan.owners["optimizer_step"],
+                    "collectives": counts.as_dict(),
+                    "sharded": type(next(iter(model.parameters()))).__name__}
+    finally:
+        WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = original
+
+
+def test_fsdp2_all_gathers_fp8_weights_and_trains(pool):
+    for result in pool.run(_train, timeout=TIMEOUT):
+        report = result["report"]
+        assert report.fsdp_float8_all_gather and report.emulate
+        assert len(report.converted) == 9 and list(report.skipped) == ["probe"]
+        assert result["sharded"] == "DTensor"
+        # torchao's pre-all-gather hook ran for the converted weights on every step and gave FSDP
+        # float8 data to all-gather (bf16 would be what a plain FSDP2 bf16 run gathers).
+        assert result["gathered"] and set(result["gathered"]) == {"torch.float8_e4m3fn"}
+        assert len(result["gathered"]) >= 9 * STEPS
+        # after the first optimizer step the scales come precomputed (the step plan's wrapper),
+        # not computed inside the all-gather
+        assert result["precomputed"][:9] == [0] * 9 and all(result["precomputed"][-9:])
+        assert "precision:fp8" in result["owner"]
+        assert result["collectives"].get("all_gather", 0) > 0
+        assert result["losses"][-1] < result["losses"][0] * 0.7, result["losses"]
+
+
+def test_rowwise_under_fsdp2_gathers_in_high_precision_and_trains(pool):
+    for result in pool.run(_train, "rowwise", timeout=TIMEOUT):
+        report = result["report"]
+        assert not report.fsdp_float8_all_gather and report.recipe == "rowwise"
+        assert result["gathered"] == []  # plain weights: FSDP gathers them in bf16
+        assert "precision:fp8" not in result["owner"]
+        assert result["losses"][-1] < result["losses"][0] * 0.7, result["losses"]
