@@ -30,9 +30,9 @@ from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.collectives import Collectives
 from torchrig.compile import compile_model
 from torchrig.compile_check import CompileVerifier
-from torchrig.conversion import convert_model
 from torchrig.config.options import PreemptionConfig, ProfileKwargs, ThroughputMonitorConfig
 from torchrig.config.resolve import ResolvedConfig, Schema
+from torchrig.conversion import convert_model
 from torchrig.data import standalone as standalone_data
 from torchrig.defaults import training as training_defaults
 from torchrig.enums import RNGType

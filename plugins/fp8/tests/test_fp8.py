@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from fp8_models import TinyLM, batches, lm_loss
 from torchao.float8.float8_linear import Float8Linear
 from torchrig import Accelerator
 from torchrig.cli.main import main
@@ -19,8 +20,6 @@ from torchrig.types import Capabilities
 from torchrig_fp8.convert import conversion_report, convert_model_to_fp8_ao, has_ao_layers
 from torchrig_fp8.options import AORecipeKwargs, FP8RecipeKwargs
 from torchrig_fp8.precision import Float8Precision
-
-from fp8_models import TinyLM, batches, lm_loss
 
 CONVERTIBLE = 9  # 2 blocks x (qkv, proj, up, down) + head; the 32x10 probe is not
 

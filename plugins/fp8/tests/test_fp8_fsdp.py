@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torchrig.testing.contracts import rank_environment
-
 from fp8_models import TinyLM, batches, lm_loss
+from torchrig.testing.contracts import rank_environment
 
 pytestmark = pytest.mark.multiprocess
 
