@@ -195,3 +195,9 @@ def test_a_strategy_that_owns_precision_without_fully_shard_is_refused():
     run = types.SimpleNamespace(capabilities=Capabilities(owns_precision=True, fully_shard_parameters=False))
     with pytest.raises(RuntimeError, match="use the fsdp or ddp strategy for fp8"):
         Float8Precision().torchrig_convert_model(run=run, model=TinyLM())
+
+
+def test_deepspeed_with_fp8_is_refused_before_anything_starts():
+    with pytest.raises(ConfigError, match="cannot run under DeepSpeed") as caught:
+        Accelerator(cpu=True, strategy="deepspeed", mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(emulate=True)])
+    assert "mixed_precision" in str(caught.value) and "fsdp or ddp" in str(caught.value)
