@@ -106,3 +106,73 @@ def test_rowwise_under_fsdp2_gathers_in_high_precision_and_trains(pool):
         assert result["gathered"] == []  # plain weights: FSDP gathers them in bf16
         assert "precision:fp8" not in result["owner"]
         assert result["losses"][-1] < result["losses"][0] * 0.7, result["losses"]
+
+
+def _train_ddp(ctx):
+    from torchao.float8.float8_linear import Float8Linear
+    from torchrig import Accelerator
+    from torchrig.testing.effects import assert_modules_converted
+    from torchrig_fp8.convert import conversion_report
+    from torchrig_fp8.options import AORecipeKwargs
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="ddp", mixed_precision="fp8",
+                                  kwargs_handlers=[AORecipeKwargs(emulate=True)])
+        torch.manual_seed(0)
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        assert_modules_converted(accelerator.unwrap_model(model), Float8Linear, count=9)
+        losses = []
+        for tokens in batches(STEPS, seed=1 + ctx.rank):  # each rank its own data
+            loss = lm_loss(model, tokens)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        weight = accelerator.unwrap_model(model).blocks[0].qkv.weight.detach().clone()
+        return {"losses": losses, "weight": weight, "wrapper": type(model).__name__,
+                "report": conversion_report(accelerator.unwrap_model(model))}
+
+
+def test_ddp_trains_fp8_with_identical_replicas(pool):
+    results = pool.run(_train_ddp, timeout=TIMEOUT)
+    for result in results:
+        assert result["wrapper"] == "DistributedDataParallel"
+        assert not result["report"].fsdp_float8_all_gather  # replicas: nothing is all-gathered
+        assert result["losses"][-1] < result["losses"][0] * 0.7, result["losses"]
+    assert torch.equal(results[0]["weight"], results[1]["weight"])  # gradients were averaged
+
+
+def _train_compiled(ctx):
+    from torchrig import Accelerator
+    from torchrig.config.options import TorchDynamoPlugin
+    from torchrig.testing.effects import assert_compiled, count_compilation
+    from torchrig_fp8.options import AORecipeKwargs
+
+    torch._dynamo.reset()
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", mixed_precision="fp8",
+                                  kwargs_handlers=[AORecipeKwargs(emulate=True)],
+                                  dynamo_plugin=TorchDynamoPlugin(backend="aot_eager"))
+        torch.manual_seed(0)
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        losses = []
+        with count_compilation() as counts:
+            for tokens in batches(4):
+                loss = lm_loss(model, tokens)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+        assert_compiled(counts, min_frames=1)
+        return {"losses": losses, "report": accelerator.compile_report()}
+
+
+def test_fsdp2_fp8_compiles_after_conversion_and_sharding(pool):
+    for result in pool.run(_train_compiled, timeout=TIMEOUT):
+        (module,) = result["report"]["modules"].values()
+        assert module["compiled"] and module["frames"] > 0, result["report"]
+        assert result["losses"][-1] < result["losses"][0], result["losses"]
