@@ -201,3 +201,22 @@ def test_deepspeed_with_fp8_is_refused_before_anything_starts():
     with pytest.raises(ConfigError, match="cannot run under DeepSpeed") as caught:
         Accelerator(cpu=True, strategy="deepspeed", mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(emulate=True)])
     assert "mixed_precision" in str(caught.value) and "fsdp or ddp" in str(caught.value)
+
+
+@pytest.mark.parametrize("source", ["argument", "file", "environment"])
+def test_fp8_is_selected_from_every_config_source(source, tmp_path, monkeypatch):
+    kwargs = {"cpu": True}
+    if source == "argument":
+        kwargs.update(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(emulate=True, skip_first_last=True)])
+    elif source == "file":
+        config = tmp_path / "run.yaml"
+        config.write_text("mixed_precision: fp8\nfp8_config:\n  emulate: true\n  skip_first_last: true\n")
+        kwargs["config_file"] = str(config)
+    else:
+        monkeypatch.setenv("TORCHRIG_MIXED_PRECISION", "fp8")
+        monkeypatch.setenv("TORCHRIG_FP8_CONFIG__EMULATE", "true")
+        monkeypatch.setenv("TORCHRIG_FP8_CONFIG__SKIP_FIRST_LAST", "1")
+    accelerator = Accelerator(**kwargs)
+    model = accelerator.prepare(TinyLM())
+    report = conversion_report(accelerator.unwrap_model(model))
+    assert accelerator.mixed_precision == "fp8" and report.emulate and len(report.converted) == CONVERTIBLE - 1

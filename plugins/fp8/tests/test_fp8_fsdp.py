@@ -176,3 +176,48 @@ def test_fsdp2_fp8_compiles_after_conversion_and_sharding(pool):
         (module,) = result["report"]["modules"].values()
         assert module["compiled"] and module["frames"] > 0, result["report"]
         assert result["losses"][-1] < result["losses"][0], result["losses"]
+
+
+def _save_and_resume(ctx, directory: str):
+    from torchrig import Accelerator
+    from torchrig_fp8.options import AORecipeKwargs
+
+    def build():
+        accelerator = Accelerator(cpu=True, strategy="fsdp", mixed_precision="fp8",
+                                  kwargs_handlers=[AORecipeKwargs(emulate=True)])
+        torch.manual_seed(0)
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        return (accelerator, *accelerator.prepare(model, optimizer))
+
+    def step(accelerator, model, optimizer, tokens):
+        loss = lm_loss(model, tokens)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    data = batches(6)
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator, model, optimizer = build()
+        for tokens in data[:3]:
+            step(accelerator, model, optimizer, tokens)
+        accelerator.save_state(directory)
+        expected = [step(accelerator, model, optimizer, tokens) for tokens in data[3:]]
+        accelerator.end_training()
+        del accelerator, model, optimizer
+        accelerator, model, optimizer = build()
+        accelerator.load_state(directory)
+        resumed = [step(accelerator, model, optimizer, tokens) for tokens in data[3:]]
+        full = accelerator.get_state_dict(model)
+        accelerator.end_training()
+        return {"expected": expected, "resumed": resumed,
+                "full": {k: (str(v.dtype), tuple(v.shape), type(v).__name__) for k, v in full.items()
+                         if k.startswith("blocks.0.qkv")}}
+
+
+def test_fsdp2_fp8_checkpoint_resumes_exactly_and_exports_plain_weights(pool, tmp_path):
+    results = pool.run(_save_and_resume, str(tmp_path / "checkpoint"), timeout=TIMEOUT)
+    for result in results:
+        assert result["resumed"] == result["expected"], result
+    assert results[0]["full"]["blocks.0.qkv.weight"] == ("torch.float32", (96, 32), "Tensor"), results[0]["full"]
