@@ -54,7 +54,8 @@ class Capabilities:
     Which phases a strategy performs is declared by filling the step plan's slots
     (``torchrig_strategy_step_plan``: implementing a slot is owning it — backward, optimizer
     step, clipping…), and how it checkpoints by implementing the checkpoint hooks. Only what
-    the core itself reads is here; the core never asks *which* strategy is running.
+    the core, or another plugin through ``run.capabilities`` (the fp8 precision reads
+    ``fully_shard_parameters``), reads is here; neither asks *which* strategy is running.
     """
 
     #: The strategy counts micro-steps itself and steps only at accumulation boundaries (the
