@@ -49,13 +49,13 @@ class Float8Precision:
             raise RuntimeError(f"mixed_precision='fp8' cannot run on {device}: {problem}")
         self.emulate = device_problem(run.config, device) is not None
 
-    def fsdp_float8_all_gather(self, run: RunContext) -> bool:
+    def fsdp_float8_all_gather(self, run: RunContext, warn: bool = False) -> bool:
         """On when the strategy shards with ``fully_shard``, the recipe is tensorwise and the user
         did not turn it off (or a given ``Float8LinearConfig`` says so)."""
         options = run.section(AORecipeKwargs)
         assert run.capabilities is not None
         if not run.capabilities.fully_shard_parameters:
-            if options.enable_fsdp_float8_all_gather:
+            if warn and options.enable_fsdp_float8_all_gather:
                 logger.warning(f"fp8: {SECTION}.enable_fsdp_float8_all_gather has no effect: the strategy does not "
                                "shard parameters with fully_shard (FSDP2)")
             return False
@@ -74,7 +74,7 @@ class Float8Precision:
                 "keeps its own weights and casts, e.g. DeepSpeed) and does not shard with fully_shard, so torchao's "
                 "Float8Linear would be bypassed or fight its casts; use the fsdp or ddp strategy for fp8, or bf16")
         report = convert(model, run.section(AORecipeKwargs), emulate=self.emulate,
-                         fsdp_float8_all_gather=self.fsdp_float8_all_gather(run))
+                         fsdp_float8_all_gather=self.fsdp_float8_all_gather(run, warn=True))
         self.reports.append(report)
         if report.fsdp_float8_all_gather:
             self._gathered.append(model)

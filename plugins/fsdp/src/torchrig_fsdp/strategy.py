@@ -148,8 +148,8 @@ class FSDPStrategy:
         # Tensor parallel alone shards nothing with fully_shard, so no MixedPrecisionPolicy casts:
         # the precision plugin's autocast applies then.
         owns = sharded and (not nd.parallelism(run).enabled or nd.data_mesh(mesh) is not None)
-        return Capabilities(owns_precision=owns, fully_shard_parameters=owns, data_parallel_size=size, data_parallel_rank=rank, device_mesh=mesh,
-                            data_parallel_group=run.stash.get(DP_GROUP))
+        return Capabilities(owns_precision=owns, fully_shard_parameters=owns, data_parallel_size=size,
+                            data_parallel_rank=rank, device_mesh=mesh, data_parallel_group=run.stash.get(DP_GROUP))
 
     # -- preparation -------------------------------------------------------------------------
 
