@@ -220,3 +220,10 @@ def test_fp8_is_selected_from_every_config_source(source, tmp_path, monkeypatch)
     model = accelerator.prepare(TinyLM())
     report = conversion_report(accelerator.unwrap_model(model))
     assert accelerator.mixed_precision == "fp8" and report.emulate and len(report.converted) == CONVERTIBLE - 1
+
+
+def test_fp8_all_gather_asked_where_nothing_is_sharded_is_reported_once(caplog):
+    accelerator, model, _ = prepared(AORecipeKwargs(emulate=True, enable_fsdp_float8_all_gather=True))
+    notes = [r for r in caplog.records if "enable_fsdp_float8_all_gather has no effect" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelname == "WARNING"
+    assert not conversion_report(accelerator.unwrap_model(model)).fsdp_float8_all_gather
