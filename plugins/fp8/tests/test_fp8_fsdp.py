@@ -99,10 +99,11 @@ def test_fsdp2_all_gathers_fp8_weights_and_trains(pool):
         assert result["losses"][-1] < result["losses"][0] * 0.7, result["losses"]
 
 
-def test_rowwise_under_fsdp2_gathers_in_high_precision_and_trains(pool):
-    for result in pool.run(_train, "rowwise", timeout=TIMEOUT):
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_under_fsdp2_gathers_in_high_precision_and_trains(pool, recipe):
+    for result in pool.run(_train, recipe, timeout=TIMEOUT):
         report = result["report"]
-        assert not report.fsdp_float8_all_gather and report.recipe == "rowwise"
+        assert not report.fsdp_float8_all_gather and report.recipe == recipe
         assert result["gathered"] == []  # plain weights: FSDP gathers them in bf16
         assert "precision:fp8" not in result["owner"]
         assert result["losses"][-1] < result["losses"][0] * 0.7, result["losses"]
