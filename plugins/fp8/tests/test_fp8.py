@@ -109,7 +109,7 @@ def test_optimizer_built_before_prepare_steps_the_converted_weights():
 
 def test_compile_after_conversion_runs_compiled_code():
     """aot_eager: dynamo and AOTAutograd trace torchao's fp8 tensor subclasses (inductor also works
-    here, in 110 s: test_inductor_compiles_the_fp8_model, marked slow)."""
+    here, in 40-110 s: test_inductor_compiles_the_fp8_model, marked slow)."""
     accelerator, model, optimizer = prepared(AORecipeKwargs(emulate=True),
                                              dynamo_plugin=TorchDynamoPlugin(backend="aot_eager"))
     with count_compilation() as counts:
