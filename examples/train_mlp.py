@@ -8,12 +8,15 @@ Runs in seconds on a CPU; the same script runs on several processes or GPUs:
 It uses the usual Accelerate-style loop: prepare, accumulate, backward, clip_grad_norm_,
 gather_for_metrics, main_process_first, unwrap_model. With --throughput the throughput monitor
 measures samples/s, step time and peak memory every 10 optimizer steps and the progress line
-shows them (they also go to any tracker given with log_with).
+shows them (they also go to any tracker given with log_with). With TORCHRIG_LOG_LEVEL=INFO the
+plugins' notes are printed, e.g. fp8's "converted 2 of 3 Linear layers" (--mixed_precision fp8; on a
+CPU also --fp8_emulate or TORCHRIG_FP8_CONFIG__EMULATE=1).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 from torch import nn
@@ -39,10 +42,11 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    parser.add_argument("--mixed_precision", default=None, help="no, fp16 or bf16 (default: from the configuration)")
+    parser.add_argument("--mixed_precision", default=None, help="no, fp16, bf16 or fp8 (default: from the configuration)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--throughput", action="store_true", help="measure samples/s and show it in the progress line")
     args = parser.parse_args()
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # the level: TORCHRIG_LOG_LEVEL
 
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
                               mixed_precision=args.mixed_precision,

@@ -84,6 +84,9 @@ def test_every_refusal_raises_an_import_error_saying_why_and_what_to_use():
     ("torchrig.DeepSpeedPlugin", "torchrig_deepspeed"),
     ("torchrig.utils.DummyOptim", "torchrig_deepspeed"),
     ("torchrig.utils.DummyScheduler", "torchrig_deepspeed"),
+    ("torchrig.utils.AORecipeKwargs", "torchrig_fp8"),
+    ("torchrig.utils.FP8RecipeKwargs", "torchrig_fp8"),
+    ("torchrig.utils.convert_model_to_fp8_ao", "torchrig_fp8"),
 ])
 def test_plugin_provided_names_come_from_the_installed_first_party_plugin(path, providing_module):
     module, name = path.rsplit(".", 1)
@@ -94,7 +97,7 @@ def test_plugin_provided_names_come_from_the_installed_first_party_plugin(path, 
 def test_plugin_provided_names_no_installed_plugin_exports_are_refused_naming_what_provides_them():
     missing = [(module, name, target) for module, name, target in entries(FromPlugin)
                if plugin_export(target.export) is None and target.fallback is None]
-    assert any(name == "FP8RecipeKwargs" for _, name, _ in missing)
+    assert any(name == "CometMLTracker" for _, name, _ in missing)
     for module, name, target in missing:
         with pytest.raises(RefusedNameError, match="provided by a plugin") as caught:
             getattr(importlib.import_module(torchrig_path(module)), name)

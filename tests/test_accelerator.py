@@ -58,6 +58,7 @@ def test_exact_hook_order_of_a_tiny_run_and_no_hooks_per_step(monkeypatch):
         "torchrig_configure",
         "torchrig_strategy_capabilities",
         "torchrig_precision_step_plan",
+        "torchrig_convert_model",
         "torchrig_prepare_model",
         "torchrig_prepare_scheduler",
         "torchrig_prepare_dataloader",

@@ -34,3 +34,21 @@ def test_sharded_gpu_benchmark_code_path_runs_on_two_cpu_ranks():
                            capture_output=True, text=True, timeout=600, env=ENV)
     assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
     assert "fsdp: 2 rank(s); torchrig" in smoke.stdout and "B8 CPU smoke run finished" in smoke.stdout
+
+
+@pytest.mark.multiprocess
+def test_fp8_benchmark_code_path_runs_on_the_cpu_and_skips_cleanly_without_a_capable_gpu():
+    smoke = subprocess.run([sys.executable, str(BENCH / "bench_fp8.py"), "--cpu-smoke"], capture_output=True,
+                           text=True, timeout=300, env=ENV)
+    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    for runner in ("torchrig bf16", "torchrig fp8", "hand-written fp8"):
+        assert runner in smoke.stdout, smoke.stdout
+    assert "FLOPs/token = 6·N + 12·L·d·T" in smoke.stdout and "B13/B14 CPU smoke run finished" in smoke.stdout
+    table = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--quick", "--only", "B13,B14"],
+                           capture_output=True, text=True, timeout=300, env=ENV)
+    assert table.returncode == 0, table.stdout + table.stderr
+    rows = [line for line in table.stdout.splitlines() if line.startswith(("B13 ", "B14 "))]
+    import torch
+
+    capable = torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9)
+    assert len(rows) == 2 and all(("skipped" in row) != capable for row in rows), rows

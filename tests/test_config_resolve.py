@@ -238,7 +238,7 @@ def test_wrong_type_from_environment(host):
         ("debug: true\n", "debug"),
         ("tpu_name: my-tpu\n", "TPUs are not supported"),
         ("ec2_instance_type: ml.p3.2xlarge\n", "SageMaker"),
-        ("fp8_config: {backend: TE}\n", "no fp8 precision plugin"),
+        ("mixed_precision: fp8\nuse_cpu: true\nfp8_config: {backend: TE, emulate: true}\n", "fp8 runs on torchao"),
         ("distributed_type: XLA\n", "no strategy plugin named 'XLA'"),
         ("num_processes: 0\n", "at least 1"),
         ("num_machines: 2\n", "main_process_ip"),
@@ -357,12 +357,13 @@ SUPPORTED_EXAMPLES = {
     "dynamo_backend": ("INDUCTOR", "dynamo_config.backend", "inductor"),
     "fsdp_config": ({"fsdp_sharding_strategy": "SHARD_GRAD_OP"}, "fsdp_config.sharding_strategy", "SHARD_GRAD_OP"),
     "deepspeed_config": ({"zero_stage": 2}, "deepspeed_config.zero_stage", 2),
+    "fp8_config": ({"backend": "ao", "recipe": "ROWWISE"}, "fp8_config.recipe", "rowwise"),
     "parallelism_config": ({"parallelism_config_dp_shard_size": -1}, "parallelism_config.dp_shard_size", -1),
 }
 OFF_VALUES = {"compute_environment": "LOCAL_MACHINE", "downcast_bf16": "no", "same_network": True,
               "main_training_function": "main"}
 ON_VALUES = {"compute_environment": "AMAZON_SAGEMAKER", "debug": True, "enable_cpu_affinity": True,
-             "use_mps_device": True, "fp8_config": {"backend": "TE"}, "megatron_lm_config": {"megatron_lm_tp_degree": 2},
+             "use_mps_device": True, "megatron_lm_config": {"megatron_lm_tp_degree": 2},
              "ipex_config": {"ipex": True},
              "mpirun_config": {"mpirun_ccl": 1}, "tpu_name": "tpu", "tpu_zone": "zone", "tpu_use_cluster": True,
              "tpu_use_sudo": True, "tpu_vm": ["vm"], "tpu_env": ["A=1"], "command_file": "cmds.sh", "commands": ["ls"]}

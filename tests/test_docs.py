@@ -11,7 +11,7 @@ from torchrig.testing import make_host
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 #: The configuration reference covers torchrig's own distributions (not examples/localsgd's plugin).
 FIRST_PARTY = ("torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers",
-               "torchrig-ray")
+               "torchrig-ray", "torchrig-fp8")
 
 
 def first_party_host():

@@ -34,7 +34,8 @@ def test_the_catalogue_covers_every_phase():
     expected = {
         "torchrig_config_sections", "torchrig_cli_flags", "torchrig_validate_config",
         "torchrig_detect_cluster", "torchrig_select_device", "torchrig_init_process_group",
-        "torchrig_collectives", "torchrig_requeue_command", "torchrig_strategy_capabilities", "torchrig_prepare_model",
+        "torchrig_collectives", "torchrig_requeue_command", "torchrig_strategy_capabilities", "torchrig_convert_model",
+        "torchrig_prepare_model",
         "torchrig_prepare_dataloader", "torchrig_prepare_scheduler", "torchrig_precision_step_plan",
         "torchrig_strategy_step_plan", "torchrig_wrap_step_plan", "torchrig_save_strategy_state",
         "torchrig_load_strategy_state", "torchrig_full_state_dict", "torchrig_checkpoint_state",

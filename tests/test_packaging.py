@@ -14,7 +14,7 @@ import torchrig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PLUGINS = {"ddp": "torchrig-ddp", "fsdp": "torchrig-fsdp", "deepspeed": "torchrig-deepspeed", "trackers": "torchrig-trackers",
-           "ray": "torchrig-ray"}
+           "ray": "torchrig-ray", "fp8": "torchrig-fp8"}
 
 
 def load(path: pathlib.Path) -> dict:
@@ -46,7 +46,14 @@ def test_versions_move_in_lockstep():
 def test_core_extras_and_default_ddp():
     core = load(REPO / "core/pyproject.toml")["project"]
     extras = core["optional-dependencies"]
-    assert {"fsdp", "deepspeed", "tensorboard", "wandb", "mlflow", "trackers", "all", "bench"} <= set(extras)
+    assert {"fsdp", "deepspeed", "tensorboard", "wandb", "mlflow", "trackers", "fp8", "all", "bench"} <= set(extras)
+    # every plugin extra is also in `all`
+    for extra, plugin in (("fsdp", "torchrig-fsdp"), ("deepspeed", "torchrig-deepspeed"), ("ray", "torchrig-ray"),
+                          ("fp8", "torchrig-fp8")):
+        assert extras[extra] == [f"{plugin}=={torchrig.__version__}"] and extras[extra][0] in extras["all"], extra
+    fp8 = load(REPO / "plugins/fp8/pyproject.toml")["project"]
+    assert any(dep.startswith("torchao") for dep in fp8["dependencies"])
+    assert not any(dep.startswith("torchao") for dep in core["dependencies"])
     assert not any(dep.startswith("torch") for dep in extras["bench"]), "the bench extra must not pull another torch"
     assert any(dep.startswith("torchrig-ddp") for dep in core["dependencies"]), "`pip install torchrig` must give DDP"
     deepspeed = load(REPO / "plugins/deepspeed/pyproject.toml")["project"]
@@ -76,7 +83,7 @@ def test_core_source_never_names_a_plugin_package():
     offenders = []
     for path in (REPO / "core/src/torchrig").rglob("*.py"):
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if re.match(r"\s*(from|import)\s+torchrig_(ddp|fsdp|deepspeed|trackers|ray)\b", line):
+            if re.match(r"\s*(from|import)\s+torchrig_(ddp|fsdp|deepspeed|trackers|ray|fp8)\b", line):
                 offenders.append(f"{path.relative_to(REPO)}:{number}")
     assert not offenders, offenders
 

@@ -30,9 +30,9 @@ def test_tiny_run_trains_through_the_real_accelerator_and_records_hooks():
     assert result.params_after != result.params_before
     assert result.owners["autocast"] == "precision:bf16"
     # prepare: capabilities, then the step plan (before the first model, whose forward gets the
-    # plan's autocast), then the model
+    # plan's autocast), then the model: converted (no plugin here does), then wrapped
     result.hooks.assert_order(["torchrig_strategy_capabilities", "torchrig_precision_step_plan",
-                               "torchrig_prepare_model"], exact=True)
+                               "torchrig_convert_model", "torchrig_prepare_model"], exact=True)
 
 
 # -- the contracts can fail: a plugin that does not match what the subclass declares ---------

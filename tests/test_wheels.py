@@ -18,7 +18,8 @@ import tomllib
 import torchrig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = ["core", "plugins/ddp", "plugins/fsdp", "plugins/deepspeed", "plugins/trackers", "plugins/ray"]
+DISTRIBUTIONS = ["core", "plugins/ddp", "plugins/fsdp", "plugins/deepspeed", "plugins/trackers", "plugins/ray",
+                 "plugins/fp8"]
 
 
 def sh(*command: str | os.PathLike, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
@@ -42,7 +43,8 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
         sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist, REPO / directory)
     wheels = sorted(p.name for p in dist.glob("*.whl"))
     version = torchrig.__version__
-    for name in ["torchrig", "torchrig_ddp", "torchrig_fsdp", "torchrig_deepspeed", "torchrig_trackers", "torchrig_ray"]:
+    for name in ["torchrig", "torchrig_ddp", "torchrig_fsdp", "torchrig_deepspeed", "torchrig_trackers", "torchrig_ray",
+                 "torchrig_fp8"]:
         assert f"{name}-{version}-py3-none-any.whl" in wheels, wheels
 
     # Third-party dependencies come from a local wheelhouse (torch from the machine's local CPU
@@ -58,8 +60,9 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
     sh(*pip, "install", *flags, "torchrig", "torchrig[fsdp,trackers]", env=env)
     # DeepSpeed itself ships only as an sdist, and Ray is hundreds of megabytes: the plugins' own
-    # packaging is what is under test, so they come without their libraries (and say how to get them).
-    sh(*pip, "install", *flags, "--no-deps", "torchrig-deepspeed", "torchrig-ray", env=env)
+    # packaging is what is under test, so they come without their libraries (and say how to get them);
+    # so does the fp8 plugin (torchao is a separate download).
+    sh(*pip, "install", *flags, "--no-deps", "torchrig-deepspeed", "torchrig-ray", "torchrig-fp8", env=env)
 
     no_site = sh(python, "-c", "import sys; print(sys.flags.no_site, any('site-packages' in p and 'venv' not in p for p in sys.path))", env=env)
     assert no_site.stdout.split()[1] == "False", "the venv must not see system site-packages"
@@ -69,7 +72,7 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
     assert {("strategy", "single"), ("precision", "no"), ("precision", "fp16"), ("precision", "bf16"),
             ("device", "cpu"), ("device", "cuda"), ("device", "mps")} <= builtins
     for row in listing:
-        if row["status"] == "unavailable" and (row["kind"] == "tracker" or row["name"] in ("deepspeed", "ray")):
+        if row["status"] == "unavailable" and (row["kind"] == "tracker" or row["name"] in ("deepspeed", "ray", "fp8")):
             # its library is not in this venv (DeepSpeed and Ray's plugin are installed without their dependencies)
             assert f"pip install 'torchrig[{row['name']}]'" in row["reason"], row
             continue
@@ -86,7 +89,8 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
     assert clusters["ray"]["status"] == "unavailable", clusters["ray"]  # no Ray in this venv
 
     installed = json.loads(sh(venv / "bin" / "torchrig", "env", "--json", env=env).stdout)["plugin_distributions"]
-    for name in ["torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers", "torchrig-ray"]:
+    for name in ["torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers", "torchrig-ray",
+                 "torchrig-fp8"]:
         assert installed.get(name) == version, installed
-    imports = "import torchrig_ddp, torchrig_fsdp, torchrig_deepspeed, torchrig_trackers, torchrig_ray, torchrig.testing.fakes, torchrig.testing.recorder"
+    imports = "import torchrig_ddp, torchrig_fsdp, torchrig_deepspeed, torchrig_trackers, torchrig_ray, torchrig_fp8, torchrig.testing.fakes, torchrig.testing.recorder"
     sh(python, "-c", imports, env=env)

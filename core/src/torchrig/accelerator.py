@@ -32,6 +32,7 @@ from torchrig.compile import compile_model
 from torchrig.compile_check import CompileVerifier
 from torchrig.config.options import PreemptionConfig, ProfileKwargs, ThroughputMonitorConfig
 from torchrig.config.resolve import ResolvedConfig, Schema
+from torchrig.conversion import convert_model
 from torchrig.data import standalone as standalone_data
 from torchrig.defaults import training as training_defaults
 from torchrig.enums import RNGType
@@ -325,6 +326,7 @@ class Accelerator(ProcessControl):
         the device. Returns the objects in the order given (a single object unwrapped).
         """
         import torch
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
         if device_placement is not None and len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
@@ -349,7 +351,11 @@ class Accelerator(ProcessControl):
                                      "model its own optimizer")
             claimed.update(own)
             own_schedulers = [s for s in schedulers if any(args[s].optimizer is args[o] for o in own)]
-            originals = {id(p): (weakref.ref(p), type(model).__name__) for p in model.parameters()}
+            convert_model(self._host, self._run, model, [args[o] for o in own])  # fp8: before sharding/compile
+            # No weak reference to a tensor-subclass parameter (fp8 weights): module.to() swaps those
+            # with torch.utils.swap_tensors, which refuses a tensor that has one.
+            originals = {id(p): (weakref.ref(p), type(model).__name__) for p in model.parameters()
+                         if not is_traceable_wrapper_subclass(p)}
             prepared = self._host.hook.torchrig_prepare_model(
                 run=self._run, model=model, optimizers=[args[o] for o in own],
                 schedulers=[args[s] for s in own_schedulers], device_placement=placement[m],

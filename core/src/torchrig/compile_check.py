@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -39,10 +39,20 @@ RECOMPILE_WARN_THRESHOLD = 4
 COMPILED_REGION = "Torch-Compiled Region"
 
 
-def _snapshot() -> tuple[int, int, int, int]:
-    """(frames seen, frames compiled, graphs, graph breaks), process-wide."""
-    return (counters["frames"]["total"], counters["frames"]["ok"], counters["stats"]["unique_graphs"],
-            sum(counters["graph_break"].values()))
+class DynamoCounters(NamedTuple):
+    """Dynamo's process-wide counters, read in one place (the check, and the contract kit's
+    ``torchrig.testing.effects.count_compilation``)."""
+
+    frames: int  # frames dynamo looked at
+    compiled_frames: int  # frames it compiled
+    graphs: int
+    graph_breaks: int
+
+
+def dynamo_counters() -> DynamoCounters:
+    """The counters now; subtract two readings for what happened in between."""
+    return DynamoCounters(counters["frames"]["total"], counters["frames"]["ok"], counters["stats"]["unique_graphs"],
+                          sum(counters["graph_break"].values()))
 
 
 @attrs.define
@@ -115,19 +125,19 @@ class CompileVerifier:
         for qualified, module in found.items():
             stats = self.stats.setdefault(qualified, ModuleCompileStats())
             self._pending.append(qualified)
-            before: list[tuple[Any, tuple[int, int, int, int]]] = []
+            before: list[tuple[Any, DynamoCounters]] = []
 
             def pre_hook(_module: Any, _args: Any, before: list = before) -> None:
                 profiler = None
                 if not torch.autograd._profiler_enabled():
                     profiler = torch.autograd.profiler.profile(use_kineto=False)
                     profiler.__enter__()
-                before.append((profiler, _snapshot()))
+                before.append((profiler, dynamo_counters()))
 
             def post_hook(_module: Any, _args: Any, _output: Any, stats: ModuleCompileStats = stats,
                           before: list = before) -> None:
                 profiler, start = before.pop()
-                after = _snapshot()
+                after = dynamo_counters()
                 _frames, ok, graphs, breaks = (b - a for a, b in zip(start, after))
                 if profiler is not None:
                     profiler.__exit__(None, None, None)
@@ -225,4 +235,5 @@ def _count_recompiles(verifier: weakref.ref) -> Callable[..., None]:
     return on_compile_end
 
 
-__all__ = ["CHECK_AFTER_STEPS", "RECOMPILE_WARN_THRESHOLD", "CompileVerifier", "ModuleCompileStats", "compiled_modules"]
+__all__ = ["CHECK_AFTER_STEPS", "RECOMPILE_WARN_THRESHOLD", "CompileVerifier", "DynamoCounters", "ModuleCompileStats",
+           "compiled_modules", "dynamo_counters"]

@@ -255,6 +255,31 @@ def torchrig_strategy_capabilities(run: RunContext) -> Capabilities | None:
     """
 
 
+@hookspec
+def torchrig_convert_model(run: RunContext, model: Any) -> None:
+    """Convert the user's module in place before the strategy wraps it.
+
+    Numerics that change the module itself (fp8: ``nn.Linear`` → torchao's ``Float8Linear``)
+    must happen before sharding and compile: ``fully_shard`` then shards the converted weights
+    (and all-gathers them in the dtype their tensor subclass chooses), and ``torch.compile``
+    traces the converted forward. Parameters a conversion replaces are followed by the core:
+    optimizers built before ``prepare`` are remapped by parameter name.
+
+    - phase: preparation, once per model, after ``torchrig_strategy_capabilities`` (so
+      ``run.capabilities`` says how the strategy will hold the parameters) and before
+      ``torchrig_prepare_model``.
+    - ranks: every worker (each converts its own copy identically).
+    - kind: collecting, over every registered plugin; the built-in precisions do not implement
+      it (autocast needs no conversion).
+    - arguments: ``model`` — the user's ``torch.nn.Module``, not yet moved or wrapped.
+    - return: ``None``; the module is changed in place.
+    - checked against: DDP (wraps the converted module), FSDP2 (``fully_shard`` of the
+      converted module; ``Capabilities.fully_shard_parameters``), DeepSpeed (its engine keeps
+      its own precision: a plugin that cannot compose with it refuses at configuration).
+    - default: none (the module is prepared as given).
+    """
+
+
 @hookspec(firstresult=True)
 def torchrig_prepare_model(
     run: RunContext, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any], device_placement: bool

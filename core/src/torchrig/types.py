@@ -54,7 +54,8 @@ class Capabilities:
     Which phases a strategy performs is declared by filling the step plan's slots
     (``torchrig_strategy_step_plan``: implementing a slot is owning it — backward, optimizer
     step, clipping…), and how it checkpoints by implementing the checkpoint hooks. Only what
-    the core itself reads is here; the core never asks *which* strategy is running.
+    the core, or another plugin through ``run.capabilities`` (the fp8 precision reads
+    ``fully_shard_parameters``), reads is here; neither asks *which* strategy is running.
     """
 
     #: The strategy counts micro-steps itself and steps only at accumulation boundaries (the
@@ -66,6 +67,11 @@ class Capabilities:
     #: Every rank holds every parameter in full (a replica, not a shard), so parameters can be
     #: averaged across ranks in place (``LocalSGD``). False for sharding engines (FSDP, DeepSpeed ZeRO).
     replicated_parameters: bool = False
+    #: Parameters are sharded with torch's ``fully_shard`` (FSDP2): a parameter whose tensor
+    #: subclass implements ``fsdp_pre_all_gather``/``fsdp_post_all_gather`` (torchao's fp8
+    #: weights) is all-gathered in the dtype the subclass chooses. False for replicas (DDP) and
+    #: for engines that shard their own way (DeepSpeed ZeRO).
+    fully_shard_parameters: bool = False
     #: Ranks that see different data. Data-parallel strategies: every rank.
     data_parallel_size: int | None = None
     data_parallel_rank: int | None = None

@@ -30,8 +30,10 @@ MEGATRON = Refused("Megatron-LM is not supported",
 XLA = Refused("TPU/XLA devices are not supported (there is no torch_xla device plugin)",
               "a CUDA or CPU device; a third-party device plugin can add one (docs/plugins.md)")
 TRANSFORMER_ENGINE = Refused("NVIDIA TransformerEngine fp8 is not supported",
-                             "fp8 through torchao, from an fp8 precision plugin (mixed_precision: fp8)")
-MS_AMP = Refused("MS-AMP is not supported", "fp8 through torchao, from an fp8 precision plugin (mixed_precision: fp8)")
+                             "fp8 through torchao: mixed_precision: fp8 with AORecipeKwargs (torchrig[fp8], "
+                             "docs/precision.md)")
+MS_AMP = Refused("MS-AMP is not supported", "fp8 through torchao: mixed_precision: fp8 with AORecipeKwargs "
+                 "(torchrig[fp8], docs/precision.md)")
 BITSANDBYTES = Refused("loading bitsandbytes-quantized models is not part of torchrig",
                        "transformers' from_pretrained(quantization_config=BitsAndBytesConfig(...))")
 SAGEMAKER = Refused("launching on Amazon SageMaker is not supported",
@@ -59,8 +61,7 @@ CHECKPOINT_INTERNAL = Refused(
     "an internal step of Accelerate's save_state/load_state",
     "accelerator.save_state()/load_state(), which commit and load everything as one checkpoint, and "
     "accelerator.register_for_checkpointing() for your own objects (docs/checkpoints.md)")
-FP8_PLUGIN = ("an fp8 precision plugin built on torchao (mixed_precision: fp8); no such plugin is installed — "
-              "fp8 is not available in this installation")
+FP8_PLUGIN = "the fp8 precision plugin on torchao (mixed_precision: fp8): pip install 'torchrig[fp8]'"
 
 
 def _tracker(name: str) -> FromPlugin:

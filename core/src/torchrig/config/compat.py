@@ -68,7 +68,9 @@ ACCELERATE_KEYS: tuple[AccelerateKey, ...] = (
                   "always handle uneven shapes and name the failing rank", accepts=_off),
     AccelerateKey("enable_cpu_affinity", "no_effect", "pinning CPU affinity to GPUs is not implemented", accepts=_off),
     AccelerateKey("use_mps_device", "no_effect", "MPS is auto-detected; set device: mps to force it", accepts=_off),
-    AccelerateKey("fp8_config", "no_effect", "no fp8 precision plugin is installed", accepts=_off),
+    AccelerateKey("fp8_config", "supported", "fp8_config (the fp8 precision plugin's section: backend AO with "
+                  "torchao's recipes; TransformerEngine and MS-AMP keys are refused by name)",
+                  install_hint="torchrig[fp8]"),
     AccelerateKey("megatron_lm_config", "no_effect", "Megatron-LM is not supported", accepts=_off),
     AccelerateKey("parallelism_config", "supported", "parallelism_config (ParallelismConfig: the device mesh; "
                   "parallelism_config_<axis>_size keys accepted)"),

@@ -62,7 +62,7 @@ class CoreOptions:
         choices_from_kind="strategy",
     )
     mixed_precision: str = option(
-        "no", help="precision plugin: no, fp16, bf16 (or a third-party one)", choices_from_kind="precision",
+        "no", help="precision plugin: no, fp16, bf16, fp8 (torchrig[fp8]; docs/precision.md) or a third-party one", choices_from_kind="precision",
         normalize=_lower,
     )
     use_cpu: bool = option(False, help="run on the CPU even when an accelerator is available", aliases=("cpu",))

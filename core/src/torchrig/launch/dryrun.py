@@ -31,6 +31,7 @@ PHASES = (
     ("init process group", "torchrig_init_process_group"),
     ("collectives", "torchrig_collectives"),
     ("strategy capabilities", "torchrig_strategy_capabilities"),
+    ("convert model", "torchrig_convert_model"),
     ("prepare model", "torchrig_prepare_model"),
     ("prepare dataloader", "torchrig_prepare_dataloader"),
     ("prepare scheduler", "torchrig_prepare_scheduler"),

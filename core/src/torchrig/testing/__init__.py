@@ -17,6 +17,11 @@ Everything a plugin distribution needs to prove itself without installing anythi
 * :class:`WorkerPool` (with :class:`WorkerContext`, :class:`WorkerError`, :class:`WorkerDied`,
   :class:`PoolTimeout`) — live ranks already joined in a gloo process group, that tests send
   functions to (a launch costs seconds; a pooled task milliseconds), with hard timeouts;
+* effect assertions (:mod:`torchrig.testing.effects`) — proof that a feature changed what ran:
+  :func:`assert_forward_dtype` / :func:`record_forward_dtypes` (the dtype the forward's matmuls ran
+  in), :func:`assert_master_weights`, :func:`count_collectives` / :func:`assert_collectives` (c10d
+  collectives by kind), :func:`count_compilation` / :func:`assert_compiled`,
+  :func:`assert_modules_converted`;
 * :class:`ProcessGuard`, :func:`leftover_processes`, :func:`spawn_in_new_session` — assert that a
   test leaves no process behind.
 
@@ -58,6 +63,10 @@ _LAZY = {
     "DeviceContract": "torchrig.testing.contracts",
     "ClusterContract": "torchrig.testing.contracts",
     "TrackerContract": "torchrig.testing.contracts",
+    **{name: "torchrig.testing.effects" for name in (
+        "CollectiveCounts", "CompileCounts", "ForwardRecord", "assert_collectives", "assert_compiled",
+        "assert_forward_dtype", "assert_master_weights", "assert_modules_converted", "count_collectives",
+        "count_compilation", "record_forward_dtypes")},
 }
 
 __all__ = sorted(_LAZY)

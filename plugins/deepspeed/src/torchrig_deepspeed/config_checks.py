@@ -411,6 +411,7 @@ def deepspeed_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
         problems.extend(_precision_problems(config, ds))
         problems.extend(_batch_problems(config, ds))
     problems.extend(_plugin_vs_json_problems(config, ds))
+    problems.extend(_engine_precision_problems(config))
     if ds is None and _fp16_in_effect(config, None):
         problems.extend(_fp16_on_cpu(config, None))
     if ds is not None:
@@ -431,6 +432,17 @@ def _unknown_keys(ds: DeepSpeedJSON) -> list[ConfigProblem]:
                 f"unknown top-level DeepSpeed key {key!r}{suggest(str(key), sorted(keys))}; DeepSpeed would silently "
                 "ignore it"), ds.where(key)))
     return problems
+
+
+def _engine_precision_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
+    """The engine applies precision itself: only no, fp16 and bf16 (its fp16/bf16 blocks) exist."""
+    precision = config.get("mixed_precision")
+    if precision in (None, "no", "fp16", "bf16"):
+        return []
+    return [ConfigProblem("mixed_precision", (
+        f"{precision} cannot run under DeepSpeed: its engine applies precision itself and offers only fp16 and bf16 "
+        f"(its fp16/bf16 blocks); a precision plugin's conversions (fp8: torchao Float8Linear) do not compose with "
+        f"its weights and casts. Use the fsdp or ddp strategy for {precision}, or mixed_precision: bf16"))]
 
 
 def _precision_problems(config: Mapping[str, Any], ds: DeepSpeedJSON) -> list[ConfigProblem]:

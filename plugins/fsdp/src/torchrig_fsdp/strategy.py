@@ -50,6 +50,9 @@ DP_GROUP = StashKey[Any]("fsdp.dp_group")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 
+#: ``mixed_precision`` -> the dtype FSDP2 casts parameters to for compute. fp8: the converted
+#: Linear layers compute in fp8 (torchao casts them), everything else in bf16 (as torchtitan).
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 #: fp16 needs a loss scaler that sees every gradient as a DTensor (ShardedGradScaler); with tensor
 #: parallel alone the parameters outside the plan stay plain tensors, and torch's unscale refuses the mix.
@@ -139,14 +142,14 @@ class FSDPStrategy:
         mesh = run.stash.get(MESH)
         sharded = run.cluster.world_size > 1
         if mesh is None:
-            return Capabilities(owns_precision=sharded, data_parallel_size=run.cluster.world_size,
-                                data_parallel_rank=run.cluster.rank)
+            return Capabilities(owns_precision=sharded, fully_shard_parameters=sharded,
+                                data_parallel_size=run.cluster.world_size, data_parallel_rank=run.cluster.rank)
         size, rank = nd.data_parallel_layout(mesh)
         # Tensor parallel alone shards nothing with fully_shard, so no MixedPrecisionPolicy casts:
         # the precision plugin's autocast applies then.
         owns = sharded and (not nd.parallelism(run).enabled or nd.data_mesh(mesh) is not None)
-        return Capabilities(owns_precision=owns, data_parallel_size=size, data_parallel_rank=rank, device_mesh=mesh,
-                            data_parallel_group=run.stash.get(DP_GROUP))
+        return Capabilities(owns_precision=owns, fully_shard_parameters=owns, data_parallel_size=size,
+                            data_parallel_rank=rank, device_mesh=mesh, data_parallel_group=run.stash.get(DP_GROUP))
 
     # -- preparation -------------------------------------------------------------------------
 
@@ -360,7 +363,7 @@ def mixed_precision_policy(run: RunContext, options: FullyShardedDataParallelPlu
     the root's outputs returned in fp32 (the loss is computed in full precision, as with autocast).
     ``fsdp_config.mixed_precision_policy`` overrides single fields."""
     fields: dict[str, Any] = {}
-    dtype = _DTYPES.get(str(run.option("mixed_precision") or "no"))
+    dtype = _COMPUTE_DTYPES.get(str(run.option("mixed_precision") or "no"))
     if dtype is not None and dtype is not torch.float32:
         fields = {"param_dtype": dtype, "reduce_dtype": torch.float32, "output_dtype": torch.float32}
     for name, value in (options.mixed_precision_policy or {}).items():
