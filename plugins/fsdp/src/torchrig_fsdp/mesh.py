@@ -19,7 +19,7 @@ from torchrig.errors import ConfigError
 from torchrig.run import RunContext
 
 #: Mesh axes the strategy builds, outermost first (docs/parallelism.md: why this order).
-AXES = ("dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 DATA_AXES = ("dp_replicate", "dp_shard")
 
 
@@ -29,13 +29,12 @@ def parallelism(run: RunContext) -> ParallelismConfig:
 
 def mesh_layout(config: ParallelismConfig, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Shape and names of the mesh for ``config`` at ``world_size``: ``dp_shard`` always (the axis
-    FSDP2 shards over, size 1 when unused), ``dp_replicate`` and ``tp`` when larger than 1.
+    FSDP2 shards over, size 1 when unused), ``pp``, ``dp_replicate`` and ``tp`` when larger than 1.
     Raises :class:`ConfigError` naming the keys when the sizes do not fit the world."""
     sizes, problems = infer_sizes(config.sizes, world_size)
-    for axis in ("cp", "pp"):
-        if sizes[axis] != 1:
-            problems.append((axis, f"{axis}_size={sizes[axis]}: the fsdp strategy builds {', '.join(AXES)} only "
-                                   "(context and pipeline parallelism are not available yet)"))
+    if sizes["cp"] != 1:
+        problems.append(("cp", f"cp_size={sizes['cp']}: the fsdp strategy builds {', '.join(AXES)} only "
+                               "(context parallelism is not available yet)"))
     if problems:
         raise ConfigError([f"{key_of(axis)}: {message}" for axis, message in problems])
     names = tuple(axis for axis in AXES if axis == "dp_shard" or sizes[axis] > 1)
@@ -52,7 +51,7 @@ def data_mesh(mesh: Any) -> Any:
 
 
 def data_parallel_layout(mesh: Any) -> tuple[int, int]:
-    """(size, rank) of data parallelism: ranks of one ``tp`` group get the same batches."""
+    """(size, rank) of data parallelism: ranks of one ``tp`` group (and of one pipeline) get the same batches."""
     if mesh is None:
         return 1, 0
     size, index = 1, 0
@@ -64,10 +63,10 @@ def data_parallel_layout(mesh: Any) -> tuple[int, int]:
 
 
 def data_parallel_group(mesh: Any) -> Any:
-    """The process group of this rank's data-parallel peers (same ``tp`` coordinate), or None when
-    every rank is a data-parallel rank (no ``tp`` axis). Collective: call on every rank."""
+    """The process group of this rank's data-parallel peers (same ``tp`` and ``pp`` coordinates), or
+    None when every rank is a data-parallel rank (no ``tp`` nor ``pp`` axis). Collective: call on every rank."""
     names = mesh.mesh_dim_names or ()
-    if "tp" not in names:
+    if "tp" not in names and "pp" not in names:
         return None
     data = tuple(name for name in DATA_AXES if name in names)
     if len(data) == 1:
@@ -77,6 +76,10 @@ def data_parallel_group(mesh: Any) -> Any:
 
 def tp_mesh(mesh: Any) -> Any:
     return mesh["tp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else None
+
+
+def pp_mesh(mesh: Any) -> Any:
+    return mesh["pp"] if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else None
 
 
 # -- tensor parallel ------------------------------------------------------------------------------
@@ -195,5 +198,5 @@ def loss_parallel_backward(backward: Any) -> Any:
 
 
 __all__ = ["AXES", "DATA_AXES", "apply_tensor_parallel", "data_mesh", "data_parallel_group", "data_parallel_layout",
-           "loss_parallel_backward", "mesh_layout", "model_plan", "parallelism", "resolve_plan", "tp_mesh",
+           "loss_parallel_backward", "mesh_layout", "model_plan", "parallelism", "pp_mesh", "resolve_plan", "tp_mesh",
            "wrap_loss_parallel"]

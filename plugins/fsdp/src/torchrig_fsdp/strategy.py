@@ -37,6 +37,7 @@ from torchrig.types import Capabilities, PreparedModel, StashKey
 
 from torchrig_fsdp import checkpoint as fsdp_checkpoint
 from torchrig_fsdp import mesh as nd
+from torchrig_fsdp import pipeline
 from torchrig_fsdp.manifest import HYBRID, SECTION
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
@@ -129,6 +130,8 @@ class FSDPStrategy:
         else:
             shape, names = mesh_shape(options.sharding_strategy, cluster.world_size, cluster.num_nodes,
                                       cluster.local_world_size)
+        if "pp" in names:
+            _check_pipeline(run, options)
         run.stash[MESH] = init_device_mesh(run.device.device.type, shape, mesh_dim_names=names)
         run.stash[DP_GROUP] = nd.data_parallel_group(run.stash[MESH])
         _explain_no_ops(options)
@@ -172,17 +175,35 @@ class FSDPStrategy:
             rank0_state = model.state_dict() if run.cluster.is_main_process else {}
         elif options.sync_module_states:
             _broadcast_from_rank0(model)
+        pp, config = nd.pp_mesh(mesh), nd.parallelism(run)
+        if pp is not None:  # this rank's stage, then TP and fully_shard on it as on a whole model
+            model = pipeline.build_stage(model, pp.get_local_rank(), pp.size(), config.pp_split_points,
+                                         config.pp_split_fn)
+            prepared.unwrapped = prepared.model = model
+            for optimizer in prepared.optimizers:
+                pipeline.prune_optimizer(optimizer, model)
+        self._parallelize(run, model, mesh, options, rank0_state, slots, prepared)
+        if pp is not None:
+            prepared.model = pipeline.wrap(device, model, mesh, config.pp_schedule,
+                                           config.pp_microbatches or pp.size(), config.pp_loss_fn)
+        return prepared
+
+    def _parallelize(self, run: RunContext, model: torch.nn.Module, mesh: Any, options: FullyShardedDataParallelPlugin,
+                     rank0_state: dict[str, Any] | None, slots: list[Any], prepared: PreparedModel) -> None:
+        """Tensor parallel, then ``fully_shard`` over the data mesh (the whole model, or one pipeline stage)."""
+        assert run.device is not None
+        device = run.device.device
         nd.apply_tensor_parallel(run, model, mesh, options.parallelize_fn)
         if nd.parallelism(run).loss_parallel:
             nd.wrap_loss_parallel(model)
         shard_mesh = nd.data_mesh(mesh) if nd.parallelism(run).enabled else mesh
         if shard_mesh is None:  # tensor parallel alone: no data axis to shard over
-            if run.option("mixed_precision") == "fp16":
+            if run.option("mixed_precision") == "fp16" and nd.tp_mesh(mesh) is not None:
                 raise FSDPConfigError(_FP16_TP_ALONE)
             _materialize(model, options, rank0_state, device, run)
             for optimizer in prepared.optimizers:
                 remap_optimizer(optimizer, slots)
-            return prepared
+            return
         blocks = wrap_blocks(model, options, run)
         if options.activation_checkpointing:
             for block in blocks:
@@ -205,12 +226,13 @@ class FSDPStrategy:
         _set_prefetch(blocks, options)
         for optimizer in prepared.optimizers:
             remap_optimizer(optimizer, slots)
-        return prepared
 
     @hookimpl
     def torchrig_strategy_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
         plan.set("no_sync", _no_sync)
-        plan.set("clip_grad_norm", clip_grad_norm)
+        group = pipeline.pp_group(run.stash.get(MESH))
+        # pipeline stages: the total norm adds every stage's gradients (reduced over the pp group)
+        plan.set("clip_grad_norm", clip_grad_norm if group is None else functools.partial(clip_grad_norm, group=group))
         if run.cluster.world_size > 1 and run.option("mixed_precision") == "fp16":
             self._install_scaler(run, plan)
         if nd.parallelism(run).loss_parallel and run.cluster.world_size > 1:
@@ -493,6 +515,29 @@ def _materialize(model: torch.nn.Module, options: FullyShardedDataParallelPlugin
             options.param_init_fn(module)
 
 
+def _group_device(group: Any) -> torch.device:
+    """Where a collective over ``group`` takes its tensors (gloo: the CPU; nccl: this rank's GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_pipeline(run: RunContext, options: FullyShardedDataParallelPlugin) -> None:
+    """A pipeline with nothing saying where to split, or with rank 0 alone holding the weights, is
+    refused when the run starts (``pp_split_fn`` is Python-only: the launcher cannot check it)."""
+    config = nd.parallelism(run)
+    if not config.pp_split_points and config.pp_split_fn is None:
+        raise FSDPConfigError(f"{pipeline.SPLIT_KEY}: pp_size is {config.pp_size} but nothing says where to split the "
+                              f"model into stages; set {pipeline.SPLIT_KEY} (e.g. [layers.2]: the module each later "
+                              "stage begins with) or pass ParallelismConfig(pp_split_fn=...)")
+    if options.cpu_ram_efficient_loading:
+        raise FSDPConfigError(f"{SECTION}.cpu_ram_efficient_loading: not supported with pipeline parallelism "
+                              "(parallelism_config.pp_size > 1): each stage holds other weights than rank 0's")
+    if config.loss_parallel:
+        raise FSDPConfigError("parallelism_config.loss_parallel: not supported with pipeline parallelism "
+                              "(pp_size > 1): the schedule computes the loss with pp_loss_fn on the last stage")
+
+
 # -- the step plan ------------------------------------------------------------------------------
 
 
@@ -509,32 +554,38 @@ def _no_sync(model: Any) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0, *, group: Any = None) -> torch.Tensor:
     """``clip_grad_norm_`` whose norm covers every shard: DTensor gradients are grouped by mesh and
-    placement, each group's norm is made global, the groups are combined, then every gradient is
-    scaled. Returns a plain tensor, equal on every rank."""
+    placement, each group's norm is made global, the groups are combined — and with ``group`` (the
+    pipeline's stages) combined across its ranks — then every gradient is scaled. Returns a plain
+    tensor, equal on every rank."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
-    if not grads:
+    if not grads and group is None:
         return torch.tensor(0.0)
     groups: dict[Any, list[torch.Tensor]] = {}
     for grad in grads:
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else grad.device
         groups.setdefault(key, []).append(grad)
-    norms = []
+    norms = [torch.zeros((), device=torch.device("cpu") if group is None else _group_device(group))]
     for members in groups.values():
         norm = torch.nn.utils.get_total_norm(members, norm_type=norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = norms[0].device
-    norms = [n.to(device) for n in norms]
+    device = norms[-1].device
+    norms = [n.to(device).float() for n in norms]
     if math.isinf(norm_type):
         total = torch.stack(norms).max()
+        if group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
-        total = torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
+        total = torch.stack(norms).pow(norm_type).sum()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        total = total.pow(1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for key, members in groups.items():

@@ -1,0 +1,240 @@
+"""Pipeline parallelism of the ``fsdp`` strategy on ``torch.distributed.pipelining`` (the ``pp`` mesh axis).
+
+Each ``pp`` rank keeps one stage: the user's model with the other stages' modules removed, **names
+kept** (torchtitan's way), so state dicts and DCP checkpoints use the unsplit model's keys and a
+checkpoint saved under ``pp_size`` 2 loads into the whole model. Tensor parallel and ``fully_shard``
+then apply to the stage as to a whole model (over the stage's ``tp`` and ``dp_shard`` sub-meshes).
+
+The loop stays Accelerate's: ``loss = model(inputs, target=labels)`` runs the schedule (forward and
+backward of every micro-batch, the loss computed on the last stage by ``pp_loss_fn``), and returns the
+batch's mean loss on every rank. The schedule's gradients are held back and ``accelerator.backward(loss)``
+adds them, multiplied by whatever the loss was multiplied by on the way (``1 / gradient_accumulation_steps``,
+a loss scale): the step plan's backward is unchanged and nothing runs backward twice. docs/parallelism.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrig.errors import ConfigError
+
+SPLIT_KEY = "parallelism_config.pp_split_points"
+#: Containers whose children are split units (a stage may take some layers of a list).
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension (logits of a language model), in fp32."""
+    return torch.nn.functional.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+
+
+# -- splitting ------------------------------------------------------------------------------------
+
+
+def split_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """The modules a split point may name, in registration order (``(name, parent, key)``): the
+    model's children, a container child (``ModuleList``, ``ModuleDict``, ``Sequential``) replaced by
+    its own children, so that ``layers.2`` is a unit."""
+    units = []
+    root_children = model._modules.items() if not isinstance(model, _CONTAINERS) else []
+    if isinstance(model, _CONTAINERS):
+        return [(key, model, key) for key, child in model._modules.items() if child is not None]
+    for key, child in root_children:
+        if child is None:
+            continue
+        if isinstance(child, _CONTAINERS):
+            units += [(f"{key}.{inner}", child, inner) for inner, grand in child._modules.items() if grand is not None]
+        else:
+            units.append((key, model, key))
+    return units
+
+
+def stage_of_units(model: torch.nn.Module, split_points: list[str]) -> list[int]:
+    """For each unit of :func:`split_units`, the stage it belongs to. Errors name the key and list
+    the units when a point names no unit, points are out of order, or a stage would be empty."""
+    units = [name for name, _, _ in split_units(model)]
+    index = {name: i for i, name in enumerate(units)}
+    listing = ", ".join(units[:24]) + (", ..." if len(units) > 24 else "")
+    missing = [point for point in split_points if point not in index]
+    if missing:
+        raise ConfigError([f"{SPLIT_KEY}: {', '.join(repr(p) for p in missing)} names no module {type(model).__name__} "
+                           f"can be split at; split points (in order): {listing}"])
+    starts = [index[point] for point in split_points]
+    if starts != sorted(starts) or starts[0] == 0:
+        raise ConfigError([f"{SPLIT_KEY}: {split_points!r} must name modules in the model's order, after its first "
+                           f"one ({units[0]}), so that no stage is empty; split points (in order): {listing}"])
+    stages, stage = [], 0
+    for position in range(len(units)):
+        while stage < len(starts) and position >= starts[stage]:
+            stage += 1
+        stages.append(stage)
+    return stages
+
+
+def keep_stage(model: torch.nn.Module, split_points: list[str], stage: int) -> torch.nn.Module:
+    """Remove from ``model``, in place, the modules of the other stages: an entry of a container is
+    deleted (the others keep their names), a child of the model is set to ``None`` (the model's
+    forward must skip a ``None`` module, as torchtitan's models do). Returns ``model``."""
+    direct = [name for name, _ in model.named_parameters(recurse=False)]
+    if direct:
+        raise ConfigError([f"{SPLIT_KEY}: {type(model).__name__} has parameters on the model itself "
+                           f"({', '.join(direct)}), which no stage owns; move them into a submodule or split with "
+                           "pp_split_fn (Python)"])
+    for (name, parent, key), owner in zip(split_units(model), stage_of_units(model, split_points), strict=True):
+        if owner == stage:
+            continue
+        if isinstance(parent, _CONTAINERS):
+            del parent._modules[key]
+        else:
+            setattr(parent, key, None)
+    return model
+
+
+def build_stage(model: torch.nn.Module, stage: int, num_stages: int, split_points: list[str] | None,
+                split_fn: Any) -> torch.nn.Module:
+    """The stage module of ``stage``: ``pp_split_fn(model, stage, num_stages)`` when given, else the
+    model cut at ``pp_split_points``; neither is refused naming both keys."""
+    if split_fn is not None:
+        module = split_fn(model, stage, num_stages)
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError([f"parallelism_config.pp_split_fn: returned {type(module).__name__} for stage {stage}; "
+                               "it must return the stage's torch.nn.Module"])
+        return module
+    if not split_points:
+        raise ConfigError([f"{SPLIT_KEY}: pp_size is {num_stages} but nothing says where to split "
+                           f"{type(model).__name__} into stages; set {SPLIT_KEY} (e.g. [layers.2]: the module each "
+                           "later stage begins with) or pass ParallelismConfig(pp_split_fn=...)"])
+    if len(split_points) + 1 != num_stages:
+        raise ConfigError([f"{SPLIT_KEY}: {len(split_points)} split point(s) make {len(split_points) + 1} stages but "
+                           f"pp_size is {num_stages}"])
+    return keep_stage(model, list(split_points), stage)
+
+
+def prune_optimizer(optimizer: torch.optim.Optimizer, stage: torch.nn.Module) -> None:
+    """Drop from ``optimizer`` the parameters of the other stages (an optimizer built over the
+    whole model before ``prepare``); refuses one that holds none of this stage's parameters."""
+    kept = {id(p) for p in stage.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if held and kept and not any(id(p) in kept for p in held):
+        raise ConfigError(["parallelism_config.pp_split_fn: the stage module's parameters are not the model's (the "
+                           "optimizer holds none of them, so it would train nothing); build the stage from the "
+                           "model's own submodules"])
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in kept]
+    for param in [p for p in optimizer.state if id(p) not in kept]:
+        del optimizer.state[param]
+
+
+# -- the schedule ---------------------------------------------------------------------------------
+
+
+def make_schedule(name: str, stage: Any, microbatches: int, loss_fn: Any) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    schedules = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+    return schedules[name](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+class _HeldGradients(torch.autograd.Function):
+    """The loss a schedule step returns: its backward adds the gradients the schedule computed,
+    times the gradient it receives (1, or 1/accumulation steps, or a loss scale)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, anchor: torch.Tensor, held: list[tuple[Any, Any]]) -> torch.Tensor:
+        ctx.held = held
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        factor = float(grad)
+        with torch.no_grad():
+            for param, computed in ctx.held:
+                if factor != 1.0:
+                    computed.mul_(factor)
+                if param.grad is None:
+                    param.grad = computed
+                else:
+                    param.grad.add_(computed)
+        ctx.held = []
+        return None, None, None
+
+
+class PipelineParallel(torch.nn.Module):
+    """This rank's pipeline stage and its schedule. ``model(*inputs, target=labels)`` runs the
+    schedule on the batch (forward and backward when gradients are enabled, forward only under
+    ``torch.no_grad``) and returns the mean micro-batch loss, the same on every rank of the pipeline.
+    ``module`` is the stage (the user's model minus the other stages, names kept)."""
+
+    def __init__(self, module: torch.nn.Module, schedule: Any, stage: Any, group: Any, microbatches: int) -> None:
+        super().__init__()
+        self.module = module
+        self._pipeline = (schedule, stage, group)
+        self.microbatches = microbatches
+
+    def forward(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        schedule, stage, group = self._pipeline
+        if target is None:
+            raise ValueError("a pipeline-parallel model computes the loss inside its schedule (parallelism_config."
+                             "pp_size > 1): call model(inputs, target=labels); the loss function is "
+                             "parallelism_config.pp_loss_fn (default: cross-entropy)")
+        batch = target.shape[0] if torch.is_tensor(target) else None
+        if batch is not None and batch % self.microbatches:
+            raise ValueError(f"parallelism_config.pp_microbatches: the batch of {batch} samples does not split into "
+                             f"{self.microbatches} micro-batches; make the batch size a multiple of it")
+        inputs = args if stage.is_first else ()
+        extra = kwargs if stage.is_first else {}
+        losses: list[torch.Tensor] = []
+        training = torch.is_grad_enabled()
+        held: list[tuple[Any, Any]] = []
+        if training:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            before = [p.grad for p in params]
+            for param in params:
+                param.grad = None
+            try:
+                schedule.step(*inputs, target=target if stage.is_last else None, losses=losses,
+                              return_outputs=False, **extra)
+            finally:
+                computed = [p.grad for p in params]
+                for param, grad in zip(params, before, strict=True):
+                    param.grad = grad
+            held = [(p, g) for p, g in zip(params, computed, strict=True) if g is not None]
+        else:
+            schedule.eval(*inputs, target=target if stage.is_last else None, losses=losses, **extra)
+        loss = self._broadcast_loss(losses, group, stage)
+        if not training:
+            return loss
+        anchor = torch.zeros((), device=loss.device, requires_grad=True)
+        return _HeldGradients.apply(loss, anchor, held)
+
+    def _broadcast_loss(self, losses: list[torch.Tensor], group: Any, stage: Any) -> torch.Tensor:
+        device = stage.device
+        if stage.is_last:
+            loss = torch.stack([value.detach().float() for value in losses]).mean().to(device)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=device)
+        dist.broadcast(loss, group=group, group_src=dist.get_world_size(group) - 1)
+        return loss
+
+
+def wrap(run_device: torch.device, module: torch.nn.Module, mesh: Any, schedule_name: str, microbatches: int,
+         loss_fn: Any) -> PipelineParallel:
+    """The stage of this ``pp`` rank as a ``PipelineStage`` over the ``pp`` sub-mesh's group, its
+    schedule, and the module the loop calls."""
+    from torch.distributed.pipelining import PipelineStage
+
+    pp = mesh["pp"]
+    group = pp.get_group()
+    stage = PipelineStage(module, pp.get_local_rank(), pp.size(), run_device, group=group)
+    schedule = make_schedule(schedule_name, stage, microbatches, loss_fn or default_loss)
+    return PipelineParallel(module, schedule, stage, group, microbatches)
+
+
+def pp_group(mesh: Any) -> Any:
+    return mesh["pp"].get_group() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else None
+
+
+__all__ = ["PipelineParallel", "build_stage", "default_loss", "keep_stage", "make_schedule", "pp_group",
+           "prune_optimizer", "split_units", "stage_of_units", "wrap"]

@@ -1,0 +1,164 @@
+"""Pipeline parallelism (``parallelism_config.pp_size``) of the fsdp strategy on gloo ranks: GPipe and 1F1B
+over two stages, pipeline x FSDP2 (pp 2 x dp_shard 2), each compared with a one-process reference of the
+same model, data and seed (the loss of every step, every parameter after training), with gradient clipping
+and accumulation 2; resuming a pp 2 checkpoint in one process; and one real ``torchrig launch --num_processes 4``
+from a config file.
+
+Two and four ranks on two cores: one pool at a time, tiny model, few steps; each task has a hard timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torchrig.testing.contracts import rank_environment
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 120
+PER_RANK, STEPS, ACCUMULATION, CLIP = 4, 2, 2, 0.5
+SPLIT = ["layers.2"]
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
+from mesh_model import make_data  # noqa: E402
+from pipe_model import PipeLM, lm_loss  # noqa: E402
+
+_pools: dict[int, object] = {}
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """``pools(n)``: a pool of ``n`` ranks; asking for another size closes the previous one (one at a time)."""
+    from torchrig.testing.pool import WorkerPool
+    from torchrig.testing.processes import leftover_processes
+
+    started: list[int] = []
+
+    def get(size: int):
+        if size not in _pools:
+            for other in list(_pools):
+                pool = _pools.pop(other)
+                pool.close()
+                started.extend(pool.started_pids)
+            _pools[size] = WorkerPool(world_size=size, env={"OMP_NUM_THREADS": "1"})
+        return _pools[size]
+
+    try:
+        yield get
+    finally:
+        for size in list(_pools):
+            pool = _pools.pop(size)
+            pool.close()
+            started.extend(pool.started_pids)
+        left = leftover_processes(sorted(started))
+        assert not left, f"the pipeline pools left processes behind: {left}"
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float().cpu()
+
+
+def _train(ctx, parallelism: dict, dp_size: int, save: str | None = None):
+    from torchrig import Accelerator, ParallelismConfig
+    from torchrig_fsdp.options import FullyShardedDataParallelPlugin
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", gradient_accumulation_steps=ACCUMULATION,
+                                  parallelism_config=ParallelismConfig(**parallelism, pp_loss_fn=lm_loss),
+                                  fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"))
+        torch.manual_seed(0)
+        model = PipeLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = torch.utils.data.DataLoader(make_data(STEPS * ACCUMULATION * PER_RANK * dp_size), batch_size=PER_RANK)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        losses, norms = [], []
+        for tokens, labels in loader:
+            with accelerator.accumulate(model):
+                loss = model(tokens, target=labels)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(float(loss))
+        with torch.no_grad():  # forward only (the schedule's eval): the loss of the last batch again
+            evaluated = float(model(tokens, target=labels))
+        if save:
+            accelerator.save_state(save)
+        params = {name: _full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
+        caps = accelerator.strategy_capabilities
+        mesh = accelerator.torch_device_mesh
+        return {"losses": losses, "norms": norms, "params": params, "evaluated": evaluated,
+                "dp": (caps.data_parallel_size, caps.data_parallel_rank),
+                "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
+                "optimizer_params": sum(len(group["params"]) for group in optimizer.param_groups)}
+
+
+def _reference(dp_size: int, steps: int = STEPS) -> dict:
+    """One process, the batches of every data-parallel rank of a step concatenated (same seed, same data)."""
+    torch.manual_seed(0)
+    model = PipeLM()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(make_data(steps * ACCUMULATION * PER_RANK * dp_size),
+                                         batch_size=PER_RANK * dp_size)
+    losses, norms = [], []
+    for index, (tokens, labels) in enumerate(loader):
+        loss = lm_loss(model(tokens), labels)
+        (loss / ACCUMULATION).backward()
+        if (index + 1) % ACCUMULATION == 0:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms, "initial": initial,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+LAYOUTS = {
+    # name: (world size, parallelism_config, data-parallel size, mesh)
+    "gpipe": (2, {"pp_size": 2, "pp_split_points": SPLIT, "pp_schedule": "GPipe"}, 1, {"pp": 2, "dp_shard": 1}),
+    "1f1b": (2, {"pp_size": 2, "pp_split_points": SPLIT, "pp_schedule": "1F1B", "pp_microbatches": 4}, 1,
+             {"pp": 2, "dp_shard": 1}),
+    "pp_x_fsdp": (4, {"pp_size": 2, "dp_shard_size": 2, "pp_split_points": SPLIT}, 2, {"pp": 2, "dp_shard": 2}),
+}
+
+
+def _stage_names(stage: int) -> set[str]:
+    first = {"embed"} | {f"layers.{i}" for i in (0, 1)}
+    return first if stage == 0 else {f"layers.{i}" for i in (2, 3)} | {"norm", "head"}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_trains_like_one_process(pools, layout):
+    world, parallelism, dp_size, mesh = LAYOUTS[layout]
+    results = pools(world).run(_train, parallelism, dp_size, timeout=TIMEOUT)
+    reference = _reference(dp_size)
+    pp_size = 2
+    for rank, result in enumerate(results):
+        stage, dp_rank = divmod(rank, world // pp_size)  # pp outermost: ranks 0..dp-1 hold stage 0
+        assert result["mesh"] == mesh
+        assert result["dp"] == (dp_size, dp_rank)  # the stages of one pipeline share batches
+        names = {name.rsplit(".", 2 if name.startswith("layers") else 1)[0] for name in result["params"]}
+        assert {n if not n.startswith("layers") else ".".join(n.split(".")[:2]) for n in names} == _stage_names(stage)
+        assert result["optimizer_params"] == len(result["params"])  # the other stage's parameters left the optimizer
+        # the loss is broadcast from the last stage: every rank of a pipeline returns it
+        assert result["losses"] == results[(pp_size - 1) * dp_size + dp_rank]["losses"]
+        for norm, expected in zip(result["norms"], reference["norms"], strict=True):
+            assert norm == pytest.approx(expected, rel=1e-4)  # the total norm covers both stages (and the shards)
+    for step, expected in enumerate(reference["losses"]):
+        mean = sum(results[dp]["losses"][step] for dp in range(dp_size)) / dp_size
+        assert mean == pytest.approx(expected, rel=1e-4, abs=1e-5), (layout, step)
+    for result in results:
+        assert result["evaluated"] == pytest.approx(result["losses"][-1], rel=0.5)  # forward only, after a step
+    trained = {}
+    for result in results:
+        trained.update(result["params"])
+    assert trained.keys() == reference["params"].keys()  # original names: the stages together are the model
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(trained[name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert not torch.equal(expected, reference["initial"][name]), f"{name} did not train in the reference"
