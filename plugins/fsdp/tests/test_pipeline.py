@@ -84,7 +84,7 @@ def _train(ctx, parallelism: dict, dp_size: int, save: str | None = None):
                     norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
                 optimizer.step()
                 optimizer.zero_grad()
-            losses.append(float(loss))
+            losses.append(loss.item())
         with torch.no_grad():  # forward only (the schedule's eval): the loss of the last batch again
             evaluated = float(model(tokens, target=labels))
         if save:
@@ -98,16 +98,16 @@ def _train(ctx, parallelism: dict, dp_size: int, save: str | None = None):
                 "optimizer_params": sum(len(group["params"]) for group in optimizer.param_groups)}
 
 
-def _reference(dp_size: int, steps: int = STEPS) -> dict:
+def _reference(dp_size: int, epochs: int = 1) -> dict:
     """One process, the batches of every data-parallel rank of a step concatenated (same seed, same data)."""
     torch.manual_seed(0)
     model = PipeLM()
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = torch.utils.data.DataLoader(make_data(steps * ACCUMULATION * PER_RANK * dp_size),
+    loader = torch.utils.data.DataLoader(make_data(STEPS * ACCUMULATION * PER_RANK * dp_size),
                                          batch_size=PER_RANK * dp_size)
     losses, norms = [], []
-    for index, (tokens, labels) in enumerate(loader):
+    for index, (tokens, labels) in enumerate(batch for _ in range(epochs) for batch in loader):
         loss = lm_loss(model(tokens), labels)
         (loss / ACCUMULATION).backward()
         if (index + 1) % ACCUMULATION == 0:
@@ -119,9 +119,10 @@ def _reference(dp_size: int, steps: int = STEPS) -> dict:
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+GPIPE = {"pp_size": 2, "pp_split_points": SPLIT, "pp_schedule": "GPipe"}
 LAYOUTS = {
     # name: (world size, parallelism_config, data-parallel size, mesh)
-    "gpipe": (2, {"pp_size": 2, "pp_split_points": SPLIT, "pp_schedule": "GPipe"}, 1, {"pp": 2, "dp_shard": 1}),
+    "gpipe": (2, GPIPE, 1, {"pp": 2, "dp_shard": 1}),
     "1f1b": (2, {"pp_size": 2, "pp_split_points": SPLIT, "pp_schedule": "1F1B", "pp_microbatches": 4}, 1,
              {"pp": 2, "dp_shard": 1}),
     "pp_x_fsdp": (4, {"pp_size": 2, "dp_shard_size": 2, "pp_split_points": SPLIT}, 2, {"pp": 2, "dp_shard": 2}),
@@ -133,10 +134,14 @@ def _stage_names(stage: int) -> set[str]:
     return first if stage == 0 else {f"layers.{i}" for i in (2, 3)} | {"norm", "head"}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pipeline_trains_like_one_process(pools, layout):
+@pytest.mark.parametrize("layout", ["gpipe", "1f1b"])
+def test_two_stages_train_like_one_process(pools, layout):
+    _check_layout(pools, layout)
+
+
+def _check_layout(pools, layout: str, save: str | None = None) -> None:
     world, parallelism, dp_size, mesh = LAYOUTS[layout]
-    results = pools(world).run(_train, parallelism, dp_size, timeout=TIMEOUT)
+    results = pools(world).run(_train, parallelism, dp_size, save, timeout=TIMEOUT)
     reference = _reference(dp_size)
     pp_size = 2
     for rank, result in enumerate(results):
@@ -162,3 +167,75 @@ def test_pipeline_trains_like_one_process(pools, layout):
     for name, expected in reference["params"].items():
         torch.testing.assert_close(trained[name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
         assert not torch.equal(expected, reference["initial"][name]), f"{name} did not train in the reference"
+
+
+def _refused(ctx) -> dict:
+    from torchrig import Accelerator
+    from torchrig_fsdp.strategy import FSDPConfigError
+
+    messages = {}
+    with rank_environment(ctx.rank, ctx.world_size):
+        try:
+            Accelerator(cpu=True, strategy="fsdp", parallelism_config={"pp_size": 2})
+        except FSDPConfigError as exc:
+            messages["no split"] = str(exc)
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=GPIPE)
+        model = accelerator.prepare(PipeLM())
+        tokens, labels = make_data(4)[:]
+        for name, call in (("no target", lambda: model(tokens)),
+                           ("uneven", lambda: model(tokens[:3], target=labels[:3]))):
+            try:
+                call()
+            except ValueError as exc:
+                messages[name] = str(exc)
+    return messages
+
+
+def test_a_pipeline_without_a_split_a_forward_without_target_and_an_uneven_batch_are_refused(pools):
+    for messages in pools(2).run(_refused, timeout=TIMEOUT):
+        assert "parallelism_config.pp_split_points: pp_size is 2 but nothing says where to split" in messages["no split"]
+        assert "call model(inputs, target=labels)" in messages["no target"]
+        assert "pp_microbatches: the batch of 3 samples does not split into 2 micro-batches" in messages["uneven"]
+
+
+def _resume(ctx, directory: str) -> dict:
+    """One process, the whole model: resume the pp 2 checkpoint (saved after one epoch) and train a second epoch."""
+    from torchrig import Accelerator
+    from torchrig_fsdp.options import FullyShardedDataParallelPlugin
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", gradient_accumulation_steps=ACCUMULATION,
+                                  fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"))
+        torch.manual_seed(1)  # other initial weights: the checkpoint must replace every one
+        model = PipeLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = torch.utils.data.DataLoader(make_data(STEPS * ACCUMULATION * PER_RANK), batch_size=PER_RANK)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        # the checkpoint's world size and pipeline keys differ on purpose: accepted explicitly
+        accelerator.load_state(directory, allow_world_size_change=True, allow_config_change=True)
+        losses = []
+        for tokens, labels in loader:
+            with accelerator.accumulate(model):
+                loss = lm_loss(model(tokens), labels)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), CLIP)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+        return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}}
+
+
+def test_a_pipeline_checkpoint_resumes_in_one_process_with_the_whole_model(pools, tmp_path):
+    directory = str(tmp_path / "pp2")
+    _check_layout(pools, "gpipe", save=directory)
+    (resumed,) = pools(1).run(_resume, directory, timeout=TIMEOUT)
+    reference = _reference(1, epochs=2)
+    half = STEPS * ACCUMULATION
+    assert resumed["losses"] == pytest.approx(reference["losses"][half:], rel=1e-4, abs=1e-5)
+    for name, expected in reference["params"].items():  # the optimizer's moments resumed too
+        torch.testing.assert_close(resumed["params"][name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_pipeline_x_fsdp_trains_like_one_process(pools):
+    _check_layout(pools, "pp_x_fsdp")
