@@ -9,7 +9,9 @@ Two and four ranks on two cores: one pool at a time, tiny model, few steps; each
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -239,3 +241,49 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_with_the_whole_model(pools
 
 def test_pipeline_x_fsdp_trains_like_one_process(pools):
     _check_layout(pools, "pp_x_fsdp")
+
+
+# -- a real launch from a config file -----------------------------------------------------------------
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "launch_scripts", "pipe_train.py")
+
+
+def test_launch_four_cpu_processes_with_pipeline_x_fsdp_from_a_config_file(pools, tmp_path):
+    from safetensors.torch import load_file
+
+    for size in list(_pools):  # no pool beside the launch: two cores
+        _pools.pop(size).close()
+    out = tmp_path / "out"
+    out.mkdir()
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(json.dumps({
+        "distributed_type": "FSDP",
+        "parallelism_config": {"parallelism_config_pp_size": 2, "parallelism_config_dp_shard_size": 2,
+                               "pp_split_points": SPLIT, "pp_schedule": "1F1B"},
+        "gradient_accumulation_steps": ACCUMULATION,
+    }))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
+    env.update(TORCHRIG_CONFIG_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torchrig", "launch", "--cpu", "--num_processes", "4", "--config_file", str(config),
+               "--log_dir", str(tmp_path / "logs"), SCRIPT, str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, start_new_session=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = [json.loads((out / f"report-{rank}.json").read_text()) for rank in range(4)]
+    reference = _reference(2)
+    for rank, report in enumerate(reports):
+        assert report["mesh"] == {"pp": 2, "dp_shard": 2} and report["dp"] == [2, rank % 2]
+        assert not os.path.exists(f"/proc/{report['pid']}"), "a worker survived the launch"
+    for step, expected in enumerate(reference["losses"]):
+        assert (reports[0]["losses"][step] + reports[1]["losses"][step]) / 2 == pytest.approx(expected, rel=1e-4)
+    trained = {}
+    for rank in range(4):
+        trained.update(torch.load(out / f"params-{rank}.pt"))
+    assert trained.keys() == reference["params"].keys()
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(trained[name], expected, rtol=1e-4, atol=1e-5)
+    # save_model joins both stages (each gathered over its dp_shard ranks) into one file a plain model loads
+    plain = PipeLM()
+    plain.load_state_dict(load_file(out / "weights" / "model.safetensors"))
+    for name, tensor in plain.named_parameters():
+        torch.testing.assert_close(tensor.detach(), reference["params"][name], rtol=1e-4, atol=1e-5)
+    assert (out / "checkpoint").is_dir()

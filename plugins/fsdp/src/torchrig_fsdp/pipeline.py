@@ -232,9 +232,23 @@ def wrap(run_device: torch.device, module: torch.nn.Module, mesh: Any, schedule_
     return PipelineParallel(module, schedule, stage, group, microbatches)
 
 
+def join_stages(state: dict[str, Any], group: Any, *, rank0_only: bool) -> dict[str, Any]:
+    """The whole model's state dict from each stage's (full, on the CPU; names are the unsplit
+    model's, so joining is a union): on the main process (others get ``{}``), or on every rank."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    if rank0_only:
+        first = dist.get_rank(group) == 0
+        dist.gather_object(state, parts if first else None, group=group, group_dst=0)
+        if not first or dist.get_rank() != 0:
+            return {}
+    else:
+        dist.all_gather_object(parts, state, group=group)
+    return {key: value for part in parts for key, value in part.items()}
+
+
 def pp_group(mesh: Any) -> Any:
     return mesh["pp"].get_group() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else None
 
 
-__all__ = ["PipelineParallel", "build_stage", "default_loss", "keep_stage", "make_schedule", "pp_group",
+__all__ = ["PipelineParallel", "build_stage", "default_loss", "join_stages", "keep_stage", "make_schedule", "pp_group",
            "prune_optimizer", "split_units", "stage_of_units", "wrap"]

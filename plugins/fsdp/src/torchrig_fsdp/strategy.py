@@ -267,6 +267,10 @@ class FSDPStrategy:
     @hookimpl
     def torchrig_full_state_dict(self, run: RunContext, prepared: PreparedModel) -> dict[str, Any]:
         config = fsdp_options(run).state_dict_config or {}
+        group = pipeline.pp_group(run.stash.get(MESH))
+        if group is not None:  # each stage gathers its shards, then the stages are joined
+            stage = fsdp_checkpoint.full_model_state(run, prepared.unwrapped, rank0_only=False, offload_to_cpu=True)
+            return pipeline.join_stages(stage, group, rank0_only=config.get("rank0_only", True))
         return fsdp_checkpoint.full_model_state(run, prepared.unwrapped, rank0_only=config.get("rank0_only", True),
                                                 offload_to_cpu=config.get("offload_to_cpu", True))
 
