@@ -173,13 +173,13 @@ def _check_layout(pools, layout: str, save: str | None = None) -> None:
 
 def _refused(ctx) -> dict:
     from torchrig import Accelerator
-    from torchrig_fsdp.strategy import FSDPConfigError
+    from torchrig.errors import ConfigError
 
     messages = {}
     with rank_environment(ctx.rank, ctx.world_size):
         try:
             Accelerator(cpu=True, strategy="fsdp", parallelism_config={"pp_size": 2})
-        except FSDPConfigError as exc:
+        except ConfigError as exc:
             messages["no split"] = str(exc)
         accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=GPIPE)
         model = accelerator.prepare(PipeLM())
@@ -195,7 +195,8 @@ def _refused(ctx) -> dict:
 
 def test_a_pipeline_without_a_split_a_forward_without_target_and_an_uneven_batch_are_refused(pools):
     for messages in pools(2).run(_refused, timeout=TIMEOUT):
-        assert "parallelism_config.pp_split_points: pp_size is 2 but nothing says where to split" in messages["no split"]
+        assert "parallelism_config.pp_split_points: pp_size is 2 but nothing says where to split the model" in \
+            messages["no split"]
         assert "call model(inputs, target=labels)" in messages["no target"]
         assert "pp_microbatches: the batch of 3 samples does not split into 2 micro-batches" in messages["uneven"]
 

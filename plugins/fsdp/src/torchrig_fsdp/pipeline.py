@@ -92,6 +92,29 @@ def keep_stage(model: torch.nn.Module, split_points: list[str], stage: int) -> t
     return model
 
 
+def _no_split(num_stages: int, what: str) -> str:
+    return (f"{SPLIT_KEY}: pp_size is {num_stages} but nothing says where to split {what} into stages; set "
+            f"{SPLIT_KEY} (e.g. [layers.2]: the module each later stage begins with) or pass "
+            "ParallelismConfig(pp_split_fn=...)")
+
+
+def check(config: Any, options: Any) -> None:
+    """Refused when the run starts (``pp_split_fn`` is Python-only, so the launcher cannot see it):
+    no split, and options a pipeline cannot honour. ``config``: the ``ParallelismConfig``,
+    ``options``: the ``fsdp_config``."""
+    problems = []
+    if not config.pp_split_points and config.pp_split_fn is None:
+        problems.append(_no_split(config.pp_size, "the model"))
+    if options.cpu_ram_efficient_loading:
+        problems.append("fsdp_config.cpu_ram_efficient_loading: not supported with pipeline parallelism "
+                        "(parallelism_config.pp_size > 1): each stage holds other weights than rank 0's")
+    if config.loss_parallel:
+        problems.append("parallelism_config.loss_parallel: not supported with pipeline parallelism (pp_size > 1): "
+                        "the schedule computes the loss with pp_loss_fn on the last stage")
+    if problems:
+        raise ConfigError(problems)
+
+
 def build_stage(model: torch.nn.Module, stage: int, num_stages: int, split_points: list[str] | None,
                 split_fn: Any) -> torch.nn.Module:
     """The stage module of ``stage``: ``pp_split_fn(model, stage, num_stages)`` when given, else the
@@ -103,9 +126,7 @@ def build_stage(model: torch.nn.Module, stage: int, num_stages: int, split_point
                                "it must return the stage's torch.nn.Module"])
         return module
     if not split_points:
-        raise ConfigError([f"{SPLIT_KEY}: pp_size is {num_stages} but nothing says where to split "
-                           f"{type(model).__name__} into stages; set {SPLIT_KEY} (e.g. [layers.2]: the module each "
-                           "later stage begins with) or pass ParallelismConfig(pp_split_fn=...)"])
+        raise ConfigError([_no_split(num_stages, type(model).__name__)])
     if len(split_points) + 1 != num_stages:
         raise ConfigError([f"{SPLIT_KEY}: {len(split_points)} split point(s) make {len(split_points) + 1} stages but "
                            f"pp_size is {num_stages}"])
@@ -246,9 +267,16 @@ def join_stages(state: dict[str, Any], group: Any, *, rank0_only: bool) -> dict[
     return {key: value for part in parts for key, value in part.items()}
 
 
+def group_device(group: Any) -> torch.device:
+    """Where a collective over ``group`` takes its tensors (gloo: the CPU; nccl: this rank's GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def pp_group(mesh: Any) -> Any:
     return mesh["pp"].get_group() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else None
 
 
-__all__ = ["PipelineParallel", "build_stage", "default_loss", "join_stages", "keep_stage", "make_schedule", "pp_group",
-           "prune_optimizer", "split_units", "stage_of_units", "wrap"]
+__all__ = ["PipelineParallel", "build_stage", "check", "default_loss", "group_device", "join_stages", "keep_stage",
+           "make_schedule", "pp_group", "prune_optimizer", "split_units", "stage_of_units", "wrap"]

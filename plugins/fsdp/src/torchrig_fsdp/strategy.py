@@ -131,7 +131,7 @@ class FSDPStrategy:
             shape, names = mesh_shape(options.sharding_strategy, cluster.world_size, cluster.num_nodes,
                                       cluster.local_world_size)
         if "pp" in names:
-            _check_pipeline(run, options)
+            pipeline.check(nd.parallelism(run), options)
         run.stash[MESH] = init_device_mesh(run.device.device.type, shape, mesh_dim_names=names)
         run.stash[DP_GROUP] = nd.data_parallel_group(run.stash[MESH])
         _explain_no_ops(options)
@@ -519,29 +519,6 @@ def _materialize(model: torch.nn.Module, options: FullyShardedDataParallelPlugin
             options.param_init_fn(module)
 
 
-def _group_device(group: Any) -> torch.device:
-    """Where a collective over ``group`` takes its tensors (gloo: the CPU; nccl: this rank's GPU)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _check_pipeline(run: RunContext, options: FullyShardedDataParallelPlugin) -> None:
-    """A pipeline with nothing saying where to split, or with rank 0 alone holding the weights, is
-    refused when the run starts (``pp_split_fn`` is Python-only: the launcher cannot check it)."""
-    config = nd.parallelism(run)
-    if not config.pp_split_points and config.pp_split_fn is None:
-        raise FSDPConfigError(f"{pipeline.SPLIT_KEY}: pp_size is {config.pp_size} but nothing says where to split the "
-                              f"model into stages; set {pipeline.SPLIT_KEY} (e.g. [layers.2]: the module each later "
-                              "stage begins with) or pass ParallelismConfig(pp_split_fn=...)")
-    if options.cpu_ram_efficient_loading:
-        raise FSDPConfigError(f"{SECTION}.cpu_ram_efficient_loading: not supported with pipeline parallelism "
-                              "(parallelism_config.pp_size > 1): each stage holds other weights than rank 0's")
-    if config.loss_parallel:
-        raise FSDPConfigError("parallelism_config.loss_parallel: not supported with pipeline parallelism "
-                              "(pp_size > 1): the schedule computes the loss with pp_loss_fn on the last stage")
-
-
 # -- the step plan ------------------------------------------------------------------------------
 
 
@@ -575,7 +552,7 @@ def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0, *, 
     for grad in grads:
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else grad.device
         groups.setdefault(key, []).append(grad)
-    norms = [torch.zeros((), device=torch.device("cpu") if group is None else _group_device(group))]
+    norms = [torch.zeros((), device=torch.device("cpu") if group is None else pipeline.group_device(group))]
     for members in groups.values():
         norm = torch.nn.utils.get_total_norm(members, norm_type=norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
