@@ -117,10 +117,14 @@ def _reference(dp_size: int, epochs: int = 1) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "norms": norms, "initial": initial,
+    with torch.no_grad():
+        evaluated = float(lm_loss(model(tokens), labels))
+    return {"losses": losses, "norms": norms, "initial": initial, "evaluated": evaluated,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+PP_TP_PLAN = {"embed": "embedding", "layers.*.attn.[qkv]": "colwise", "layers.*.attn.o": "rowwise",
+              "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise", "head": "output"}
 GPIPE = {"pp_size": 2, "pp_split_points": SPLIT, "pp_schedule": "GPipe"}
 LAYOUTS = {
     # name: (world size, parallelism_config, data-parallel size, mesh)
@@ -128,6 +132,8 @@ LAYOUTS = {
     "1f1b": (2, {"pp_size": 2, "pp_split_points": SPLIT, "pp_schedule": "1F1B", "pp_microbatches": 4}, 1,
              {"pp": 2, "dp_shard": 1}),
     "pp_x_fsdp": (4, {"pp_size": 2, "dp_shard_size": 2, "pp_split_points": SPLIT}, 2, {"pp": 2, "dp_shard": 2}),
+    "pp_x_tp": (4, {"pp_size": 2, "tp_size": 2, "pp_split_points": SPLIT, "tp_plan": PP_TP_PLAN}, 1,
+                {"pp": 2, "dp_shard": 1, "tp": 2}),
 }
 
 
@@ -145,23 +151,25 @@ def _check_layout(pools, layout: str, save: str | None = None) -> None:
     world, parallelism, dp_size, mesh = LAYOUTS[layout]
     results = pools(world).run(_train, parallelism, dp_size, save, timeout=TIMEOUT)
     reference = _reference(dp_size)
-    pp_size = 2
+    per_stage, tp_size = world // 2, mesh.get("tp", 1)  # pp outermost: ranks 0..per_stage-1 hold stage 0
     for rank, result in enumerate(results):
-        stage, dp_rank = divmod(rank, world // pp_size)  # pp outermost: ranks 0..dp-1 hold stage 0
+        stage, dp_rank = rank // per_stage, rank % per_stage // tp_size
         assert result["mesh"] == mesh
-        assert result["dp"] == (dp_size, dp_rank)  # the stages of one pipeline share batches
-        names = {name.rsplit(".", 2 if name.startswith("layers") else 1)[0] for name in result["params"]}
-        assert {n if not n.startswith("layers") else ".".join(n.split(".")[:2]) for n in names} == _stage_names(stage)
+        assert result["dp"] == (dp_size, dp_rank)  # the stages (and tp ranks) of one pipeline share batches
+        units = {".".join(name.split(".")[:2]) if name.startswith("layers") else name.split(".")[0]
+                 for name in result["params"]}
+        assert units == _stage_names(stage)
         assert result["optimizer_params"] == len(result["params"])  # the other stage's parameters left the optimizer
         # the loss is broadcast from the last stage: every rank of a pipeline returns it
-        assert result["losses"] == results[(pp_size - 1) * dp_size + dp_rank]["losses"]
+        assert result["losses"] == results[per_stage + rank % per_stage]["losses"]
         for norm, expected in zip(result["norms"], reference["norms"], strict=True):
             assert norm == pytest.approx(expected, rel=1e-4)  # the total norm covers both stages (and the shards)
+    first_ranks = range(0, per_stage, tp_size)  # one rank per data-parallel rank
     for step, expected in enumerate(reference["losses"]):
-        mean = sum(results[dp]["losses"][step] for dp in range(dp_size)) / dp_size
+        mean = sum(results[rank]["losses"][step] for rank in first_ranks) / dp_size
         assert mean == pytest.approx(expected, rel=1e-4, abs=1e-5), (layout, step)
-    for result in results:
-        assert result["evaluated"] == pytest.approx(result["losses"][-1], rel=0.5)  # forward only, after a step
+    evaluated = sum(results[rank]["evaluated"] for rank in first_ranks) / dp_size  # the schedule's forward only
+    assert evaluated == pytest.approx(reference["evaluated"], rel=1e-4)
     trained = {}
     for result in results:
         trained.update(result["params"])
@@ -240,8 +248,9 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_with_the_whole_model(pools
         torch.testing.assert_close(resumed["params"][name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_pipeline_x_fsdp_trains_like_one_process(pools):
-    _check_layout(pools, "pp_x_fsdp")
+@pytest.mark.parametrize("layout", ["pp_x_fsdp", "pp_x_tp"])
+def test_pipeline_x_data_or_tensor_parallel_trains_like_one_process(pools, layout):
+    _check_layout(pools, layout)
 
 
 # -- a real launch from a config file -----------------------------------------------------------------

@@ -126,9 +126,11 @@ def model_plan(model: torch.nn.Module) -> dict[str, Any] | None:
     return None
 
 
-def resolve_plan(model: torch.nn.Module, plan: dict[str, Any], loss_parallel: bool, where: str) -> dict[str, Any]:
-    """Module-name globs -> ``{module name: ParallelStyle}``; every pattern must match a module and
-    every style name must be known (errors name ``where`` and list what exists)."""
+def resolve_plan(model: torch.nn.Module, plan: dict[str, Any], loss_parallel: bool, where: str,
+                 require_match: bool = True) -> dict[str, Any]:
+    """Module-name globs -> ``{module name: ParallelStyle}``; every pattern must match a module
+    (unless ``require_match`` is False: a pipeline stage, the plan being checked on the whole model
+    first) and every style name must be known (errors name ``where`` and list what exists)."""
     styles = _styles(loss_parallel)
     names = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, Any] = {}
@@ -140,7 +142,7 @@ def resolve_plan(model: torch.nn.Module, plan: dict[str, Any], loss_parallel: bo
             problems.append(f"{where}: {pattern!r}: unknown style {style!r}; styles: {', '.join(styles)}")
             continue
         matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
-        if not matched:
+        if not matched and require_match:
             sample = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
             problems.append(f"{where}: {pattern!r} matches no module of {type(model).__name__} (modules: {sample})")
         for name in matched:
@@ -150,7 +152,8 @@ def resolve_plan(model: torch.nn.Module, plan: dict[str, Any], loss_parallel: bo
     return resolved
 
 
-def apply_tensor_parallel(run: RunContext, model: torch.nn.Module, mesh: Any, parallelize_fn: Any) -> None:
+def apply_tensor_parallel(run: RunContext, model: torch.nn.Module, mesh: Any, parallelize_fn: Any,
+                          require_match: bool = True) -> None:
     """``parallelize_fn(model, mesh)`` when given (it receives the whole mesh), else the plan:
     ``parallelism_config.tp_plan`` or the model's own, applied over the ``tp`` sub-mesh."""
     config = parallelism(run)
@@ -169,7 +172,7 @@ def apply_tensor_parallel(run: RunContext, model: torch.nn.Module, mesh: Any, pa
                            "(module-name glob -> style) or pass FullyShardedDataParallelPlugin(parallelize_fn=...)"])
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, tp, resolve_plan(model, plan, config.loss_parallel, where))
+    parallelize_module(model, tp, resolve_plan(model, plan, config.loss_parallel, where, require_match))
 
 
 def wrap_loss_parallel(model: torch.nn.Module) -> None:

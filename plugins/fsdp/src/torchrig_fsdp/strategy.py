@@ -177,6 +177,8 @@ class FSDPStrategy:
             _broadcast_from_rank0(model)
         pp, config = nd.pp_mesh(mesh), nd.parallelism(run)
         if pp is not None:  # this rank's stage, then TP and fully_shard on it as on a whole model
+            if config.tp_plan and nd.tp_mesh(mesh) is not None:  # every pattern matches in the whole model
+                nd.resolve_plan(model, config.tp_plan, config.loss_parallel, "parallelism_config.tp_plan")
             model = pipeline.build_stage(model, pp.get_local_rank(), pp.size(), config.pp_split_points,
                                          config.pp_split_fn)
             prepared.unwrapped = prepared.model = model
@@ -193,7 +195,7 @@ class FSDPStrategy:
         """Tensor parallel, then ``fully_shard`` over the data mesh (the whole model, or one pipeline stage)."""
         assert run.device is not None
         device = run.device.device
-        nd.apply_tensor_parallel(run, model, mesh, options.parallelize_fn)
+        nd.apply_tensor_parallel(run, model, mesh, options.parallelize_fn, require_match=nd.pp_mesh(mesh) is None)
         if nd.parallelism(run).loss_parallel:
             nd.wrap_loss_parallel(model)
         shard_mesh = nd.data_mesh(mesh) if nd.parallelism(run).enabled else mesh
