@@ -125,6 +125,7 @@ def _reference(dp_size: int, epochs: int = 1) -> dict:
 
 PP_TP_PLAN = {"embed": "embedding", "layers.*.attn.[qkv]": "colwise", "layers.*.attn.o": "rowwise",
               "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise", "head": "output"}
+INTERLEAVED = {"pp_size": 2, "pp_split_points": ["layers.1", "layers.2", "layers.3"], "pp_schedule": "Interleaved1F1B"}
 GPIPE = {"pp_size": 2, "pp_split_points": SPLIT, "pp_schedule": "GPipe"}
 LAYOUTS = {
     # name: (world size, parallelism_config, data-parallel size, mesh)
@@ -132,18 +133,23 @@ LAYOUTS = {
     "1f1b": (2, {"pp_size": 2, "pp_split_points": SPLIT, "pp_schedule": "1F1B", "pp_microbatches": 4}, 1,
              {"pp": 2, "dp_shard": 1}),
     "pp_x_fsdp": (4, {"pp_size": 2, "dp_shard_size": 2, "pp_split_points": SPLIT}, 2, {"pp": 2, "dp_shard": 2}),
+    # four stages, two per rank (0 and 2 on the first, 1 and 3 on the second)
+    "interleaved": (2, INTERLEAVED, 1, {"pp": 2, "dp_shard": 1}),
+    "interleaved_x_fsdp": (4, {**INTERLEAVED, "dp_shard_size": 2}, 2, {"pp": 2, "dp_shard": 2}),
     "pp_x_tp": (4, {"pp_size": 2, "tp_size": 2, "pp_split_points": SPLIT, "tp_plan": PP_TP_PLAN}, 1,
                 {"pp": 2, "dp_shard": 1, "tp": 2}),
 }
 
 
-def _stage_names(stage: int) -> set[str]:
-    first = {"embed"} | {f"layers.{i}" for i in (0, 1)}
-    return first if stage == 0 else {f"layers.{i}" for i in (2, 3)} | {"norm", "head"}
+def _rank_units(layout: str, pp_rank: int) -> set[str]:
+    """The modules the ``pp`` rank holds (under their names in the whole model)."""
+    if layout.startswith("interleaved"):
+        return {"embed", "layers.0", "layers.2"} if pp_rank == 0 else {"layers.1", "layers.3", "norm", "head"}
+    return {"embed", "layers.0", "layers.1"} if pp_rank == 0 else {"layers.2", "layers.3", "norm", "head"}
 
 
-@pytest.mark.parametrize("layout", ["gpipe", "1f1b"])
-def test_two_stages_train_like_one_process(pools, layout):
+@pytest.mark.parametrize("layout", ["gpipe", "1f1b", "interleaved"])
+def test_pipeline_stages_train_like_one_process(pools, layout):
     _check_layout(pools, layout)
 
 
@@ -158,7 +164,7 @@ def _check_layout(pools, layout: str, save: str | None = None) -> None:
         assert result["dp"] == (dp_size, dp_rank)  # the stages (and tp ranks) of one pipeline share batches
         units = {".".join(name.split(".")[:2]) if name.startswith("layers") else name.split(".")[0]
                  for name in result["params"]}
-        assert units == _stage_names(stage)
+        assert units == _rank_units(layout, stage)
         assert result["optimizer_params"] == len(result["params"])  # the other stage's parameters left the optimizer
         # the loss is broadcast from the last stage: every rank of a pipeline returns it
         assert result["losses"] == results[per_stage + rank % per_stage]["losses"]
@@ -209,7 +215,7 @@ def test_a_pipeline_without_a_split_a_forward_without_target_and_an_uneven_batch
         assert "pp_microbatches: the batch of 3 samples does not split into 2 micro-batches" in messages["uneven"]
 
 
-def _resume(ctx, directory: str) -> dict:
+def _resume(ctx, directory: str, dp_size: int) -> dict:
     """One process, the whole model: resume the pp 2 checkpoint (saved after one epoch) and train a second epoch."""
     from torchrig import Accelerator
     from torchrig_fsdp.options import FullyShardedDataParallelPlugin
@@ -220,7 +226,9 @@ def _resume(ctx, directory: str) -> dict:
         torch.manual_seed(1)  # other initial weights: the checkpoint must replace every one
         model = PipeLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loader = torch.utils.data.DataLoader(make_data(STEPS * ACCUMULATION * PER_RANK), batch_size=PER_RANK)
+        # the batches of every data-parallel rank of the saved run, concatenated
+        loader = torch.utils.data.DataLoader(make_data(STEPS * ACCUMULATION * PER_RANK * dp_size),
+                                             batch_size=PER_RANK * dp_size)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         # the checkpoint's world size and pipeline keys differ on purpose: accepted explicitly
         accelerator.load_state(directory, allow_world_size_change=True, allow_config_change=True)
@@ -237,18 +245,19 @@ def _resume(ctx, directory: str) -> dict:
         return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}}
 
 
-def test_a_pipeline_checkpoint_resumes_in_one_process_with_the_whole_model(pools, tmp_path):
+@pytest.mark.parametrize("layout", ["gpipe", "interleaved_x_fsdp"])
+def test_a_pipeline_checkpoint_resumes_in_one_process_with_the_whole_model(pools, tmp_path, layout):
     directory = str(tmp_path / "pp2")
-    _check_layout(pools, "gpipe", save=directory)
-    (resumed,) = pools(1).run(_resume, directory, timeout=TIMEOUT)
-    reference = _reference(1, epochs=2)
+    _check_layout(pools, layout, save=directory)
+    (resumed,) = pools(1).run(_resume, directory, LAYOUTS[layout][2], timeout=TIMEOUT)
+    reference = _reference(LAYOUTS[layout][2], epochs=2)
     half = STEPS * ACCUMULATION
     assert resumed["losses"] == pytest.approx(reference["losses"][half:], rel=1e-4, abs=1e-5)
     for name, expected in reference["params"].items():  # the optimizer's moments resumed too
         torch.testing.assert_close(resumed["params"][name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("layout", ["pp_x_fsdp", "pp_x_tp"])
+@pytest.mark.parametrize("layout", ["pp_x_fsdp", "interleaved_x_fsdp", "pp_x_tp"])
 def test_pipeline_x_data_or_tensor_parallel_trains_like_one_process(pools, layout):
     _check_layout(pools, layout)
 

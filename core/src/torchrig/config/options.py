@@ -284,7 +284,7 @@ PARALLELISM_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 TP_STYLES = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "prepare_input_sp", "rowwise_sp",
              "embedding_sp", "output_sp")
 #: Pipeline schedules ``pp_schedule`` may name (torch.distributed.pipelining's classes, torchtitan's names).
-PP_SCHEDULES = ("GPipe", "1F1B")
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
 
 def _mesh_size(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -351,7 +351,8 @@ class ParallelismConfig:
         normalize=_split_points, converter=_split_points, validator=_check_split_points, flag="--pp_split_points")
     pp_split_fn: Any = option(None, help="pp_split_fn(model, stage_index, num_stages) -> the stage's module, instead "
                               "of pp_split_points (Python only)", python_only=True)
-    pp_schedule: str = option("1F1B", help="pipeline schedule: GPipe or 1F1B (torch.distributed.pipelining)",
+    pp_schedule: str = option("1F1B", help="pipeline schedule: GPipe, 1F1B, or Interleaved1F1B (several stages per rank: "
+                              "pp_split_points makes a multiple of pp_size stages) (torch.distributed.pipelining)",
                               choices=PP_SCHEDULES, validator=attrs.validators.in_(PP_SCHEDULES), flag="--pp_schedule")
     pp_microbatches: int | None = option(
         None, help="micro-batches each batch is split into by the pipeline schedule (the batch size must be a "

@@ -111,7 +111,13 @@ def _pipeline_problems(values: Mapping[str, object], pp: int, where: Callable[[s
                                         f"(or remove {key})", where(f"{SECTION}.{key}")))
         return problems
     points = values.get(f"{SECTION}.pp_split_points")
-    if isinstance(points, list) and pp > 1 and len(points) + 1 != pp:
+    interleaved = values.get(f"{SECTION}.pp_schedule") == "Interleaved1F1B"
+    stages = len(points) + 1 if isinstance(points, list) else 0
+    if interleaved and pp > 1 and stages and (stages % pp or stages < 2 * pp):
+        problems.append(Problem(f"{SECTION}.pp_split_points", (
+            f"{len(points)} split point(s) make {stages} stages; Interleaved1F1B needs a multiple of pp_size ({pp}), "
+            f"at least {2 * pp} (two stages per rank)"), where(f"{SECTION}.pp_split_points")))
+    elif isinstance(points, list) and pp > 1 and not interleaved and stages != pp:
         problems.append(Problem(f"{SECTION}.pp_split_points", (
             f"{len(points)} split point(s) make {len(points) + 1} stages but pp_size is {pp}; give pp_size - 1 = "
             f"{pp - 1} module names, each the first module of a stage"), where(f"{SECTION}.pp_split_points")))

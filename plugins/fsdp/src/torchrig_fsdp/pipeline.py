@@ -14,6 +14,7 @@ a loss scale): the step plan's backward is unchanged and nothing runs backward t
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torchrig.errors import ConfigError
 
 SPLIT_KEY = "parallelism_config.pp_split_points"
+INTERLEAVED = "Interleaved1F1B"
 #: Containers whose children are split units (a stage may take some layers of a list).
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
@@ -51,9 +53,9 @@ def split_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]
     return units
 
 
-def stage_of_units(model: torch.nn.Module, split_points: list[str]) -> list[int]:
-    """For each unit of :func:`split_units`, the stage it belongs to. Errors name the key and list
-    the units when a point names no unit, points are out of order, or a stage would be empty."""
+def stage_of_units(model: torch.nn.Module, split_points: list[str]) -> dict[str, int]:
+    """For each unit of :func:`split_units` (by name), the stage it belongs to. Errors name the key
+    and list the units when a point names no unit, points are out of order, or a stage would be empty."""
     units = [name for name, _, _ in split_units(model)]
     index = {name: i for i, name in enumerate(units)}
     listing = ", ".join(units[:24]) + (", ..." if len(units) > 24 else "")
@@ -65,31 +67,60 @@ def stage_of_units(model: torch.nn.Module, split_points: list[str]) -> list[int]
     if starts != sorted(starts) or starts[0] == 0:
         raise ConfigError([f"{SPLIT_KEY}: {split_points!r} must name modules in the model's order, after its first "
                            f"one ({units[0]}), so that no stage is empty; split points (in order): {listing}"])
-    stages, stage = [], 0
-    for position in range(len(units)):
-        while stage < len(starts) and position >= starts[stage]:
-            stage += 1
-        stages.append(stage)
-    return stages
+    return {name: sum(1 for start in starts if position >= start) for position, name in enumerate(units)}
 
 
-def keep_stage(model: torch.nn.Module, split_points: list[str], stage: int) -> torch.nn.Module:
-    """Remove from ``model``, in place, the modules of the other stages: an entry of a container is
-    deleted (the others keep their names), a child of the model is set to ``None`` (the model's
-    forward must skip a ``None`` module, as torchtitan's models do). Returns ``model``."""
+def keep_stages(model: torch.nn.Module, owner: dict[str, int], stages: set[int]) -> torch.nn.Module:
+    """Remove from ``model``, in place, the modules of the stages not in ``stages`` (``owner``: unit
+    name -> stage): an entry of a container is deleted (the others keep their names), a child of the
+    model is set to ``None`` (the model's forward must skip a ``None`` module, as torchtitan's
+    models do). Returns ``model``."""
     direct = [name for name, _ in model.named_parameters(recurse=False)]
     if direct:
         raise ConfigError([f"{SPLIT_KEY}: {type(model).__name__} has parameters on the model itself "
                            f"({', '.join(direct)}), which no stage owns; move them into a submodule or split with "
                            "pp_split_fn (Python)"])
-    for (name, parent, key), owner in zip(split_units(model), stage_of_units(model, split_points), strict=True):
-        if owner == stage:
+    for name, parent, key in split_units(model):
+        if owner[name] in stages:
             continue
         if isinstance(parent, _CONTAINERS):
             del parent._modules[key]
         else:
             setattr(parent, key, None)
     return model
+
+
+def _clone(module: torch.nn.Module) -> torch.nn.Module:
+    """A module object of its own (children, parameters, hooks in dicts of its own) sharing every
+    submodule and tensor with ``module``."""
+    clone = copy.copy(module)
+    for key, value in vars(clone).items():
+        if isinstance(value, (dict, set)):
+            clone.__dict__[key] = copy.copy(value)
+    return clone
+
+
+def stage_view(model: torch.nn.Module, owner: dict[str, int], stage: int) -> torch.nn.Module:
+    """One stage of a rank holding several (interleaved schedules): a clone of ``model`` (and of
+    its containers) without the other stages' units, sharing their modules and parameters with
+    ``model`` — so ``model`` keeps the rank's state dict under the original names."""
+    root = _clone(model)
+    containers: dict[int, torch.nn.Module] = {}
+    for name, parent, key in split_units(model):
+        if owner[name] == stage:
+            continue
+        if parent is model:
+            target = root
+        else:
+            if id(parent) not in containers:
+                container_key = name.split(".")[0]
+                containers[id(parent)] = root._modules[container_key] = _clone(parent)
+            target = containers[id(parent)]
+        if isinstance(target, _CONTAINERS):
+            del target._modules[key]
+        else:
+            target._modules[key] = None
+    return root
 
 
 def _no_split(num_stages: int, what: str) -> str:
@@ -130,7 +161,28 @@ def build_stage(model: torch.nn.Module, stage: int, num_stages: int, split_point
     if len(split_points) + 1 != num_stages:
         raise ConfigError([f"{SPLIT_KEY}: {len(split_points)} split point(s) make {len(split_points) + 1} stages but "
                            f"pp_size is {num_stages}"])
-    return keep_stage(model, list(split_points), stage)
+    return keep_stages(model, stage_of_units(model, list(split_points)), {stage})
+
+
+def build_rank(model: torch.nn.Module, pp_rank: int, pp_size: int, schedule: str, split_points: list[str] | None,
+               split_fn: Any) -> tuple[torch.nn.Module, list[tuple[int, torch.nn.Module]], int]:
+    """This ``pp`` rank's part of the model: (the module holding its stages, under the original
+    names; ``[(stage index, stage module)]``; the number of stages). One stage per rank, except
+    with ``Interleaved1F1B``: stages ``pp_rank``, ``pp_rank + pp_size``, ... (torch's loop order)."""
+    if schedule != INTERLEAVED:
+        module = build_stage(model, pp_rank, pp_size, split_points, split_fn)
+        return module, [(pp_rank, module)], pp_size
+    if split_fn is not None or not split_points:
+        raise ConfigError([f"{SPLIT_KEY}: pp_schedule {INTERLEAVED} puts several stages on each rank; give them as "
+                           "split points (pp_split_fn makes one stage per rank)"])
+    num_stages = len(split_points) + 1
+    if num_stages % pp_size or num_stages < 2 * pp_size:
+        raise ConfigError([f"{SPLIT_KEY}: {len(split_points)} split point(s) make {num_stages} stages; {INTERLEAVED} "
+                           f"needs a multiple of pp_size ({pp_size}), at least {2 * pp_size} (two stages per rank)"])
+    owner = stage_of_units(model, list(split_points))
+    local = list(range(pp_rank, num_stages, pp_size))
+    keep_stages(model, owner, set(local))
+    return model, [(stage, stage_view(model, owner, stage)) for stage in local], num_stages
 
 
 def prune_optimizer(optimizer: torch.optim.Optimizer, stage: torch.nn.Module) -> None:
@@ -151,11 +203,13 @@ def prune_optimizer(optimizer: torch.optim.Optimizer, stage: torch.nn.Module) ->
 # -- the schedule ---------------------------------------------------------------------------------
 
 
-def make_schedule(name: str, stage: Any, microbatches: int, loss_fn: Any) -> Any:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+def make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Any) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    if name == INTERLEAVED:
+        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     schedules = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
-    return schedules[name](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return schedules[name](stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
 class _HeldGradients(torch.autograd.Function):
@@ -188,14 +242,15 @@ class PipelineParallel(torch.nn.Module):
     ``torch.no_grad``) and returns the mean micro-batch loss, the same on every rank of the pipeline.
     ``module`` is the stage (the user's model minus the other stages, names kept)."""
 
-    def __init__(self, module: torch.nn.Module, schedule: Any, stage: Any, group: Any, microbatches: int) -> None:
+    def __init__(self, module: torch.nn.Module, schedule: Any, stages: list[Any], group: Any, microbatches: int) -> None:
         super().__init__()
         self.module = module
-        self._pipeline = (schedule, stage, group)
+        self._pipeline = (schedule, stages, group)
         self.microbatches = microbatches
 
     def forward(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
-        schedule, stage, group = self._pipeline
+        schedule, stages, group = self._pipeline
+        first, last = any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
         if target is None:
             raise ValueError("a pipeline-parallel model computes the loss inside its schedule (parallelism_config."
                              "pp_size > 1): call model(inputs, target=labels); the loss function is "
@@ -204,8 +259,8 @@ class PipelineParallel(torch.nn.Module):
         if batch is not None and batch % self.microbatches:
             raise ValueError(f"parallelism_config.pp_microbatches: the batch of {batch} samples does not split into "
                              f"{self.microbatches} micro-batches; make the batch size a multiple of it")
-        inputs = args if stage.is_first else ()
-        extra = kwargs if stage.is_first else {}
+        inputs = args if first else ()
+        extra = kwargs if first else {}
         losses: list[torch.Tensor] = []
         training = torch.is_grad_enabled()
         held: list[tuple[Any, Any]] = []
@@ -215,7 +270,7 @@ class PipelineParallel(torch.nn.Module):
             for param in params:
                 param.grad = None
             try:
-                schedule.step(*inputs, target=target if stage.is_last else None, losses=losses,
+                schedule.step(*inputs, target=target if last else None, losses=losses,
                               return_outputs=False, **extra)
             finally:
                 computed = [p.grad for p in params]
@@ -223,16 +278,16 @@ class PipelineParallel(torch.nn.Module):
                     param.grad = grad
             held = [(p, g) for p, g in zip(params, computed, strict=True) if g is not None]
         else:
-            schedule.eval(*inputs, target=target if stage.is_last else None, losses=losses, **extra)
-        loss = self._broadcast_loss(losses, group, stage)
+            schedule.eval(*inputs, target=target if last else None, losses=losses, **extra)
+        loss = self._broadcast_loss(losses, group, last, stages[0].device)
         if not training:
             return loss
         anchor = torch.zeros((), device=loss.device, requires_grad=True)
         return _HeldGradients.apply(loss, anchor, held)
 
-    def _broadcast_loss(self, losses: list[torch.Tensor], group: Any, stage: Any) -> torch.Tensor:
-        device = stage.device
-        if stage.is_last:
+    def _broadcast_loss(self, losses: list[torch.Tensor], group: Any, last: bool, device: Any) -> torch.Tensor:
+        """From the rank holding the last stage (the last ``pp`` rank, in every schedule here)."""
+        if last:
             loss = torch.stack([value.detach().float() for value in losses]).mean().to(device)
         else:
             loss = torch.zeros((), dtype=torch.float32, device=device)
@@ -240,17 +295,16 @@ class PipelineParallel(torch.nn.Module):
         return loss
 
 
-def wrap(run_device: torch.device, module: torch.nn.Module, mesh: Any, schedule_name: str, microbatches: int,
-         loss_fn: Any) -> PipelineParallel:
-    """The stage of this ``pp`` rank as a ``PipelineStage`` over the ``pp`` sub-mesh's group, its
-    schedule, and the module the loop calls."""
+def wrap(device: torch.device, module: torch.nn.Module, stages: list[tuple[int, torch.nn.Module]], num_stages: int,
+         mesh: Any, schedule_name: str, microbatches: int, loss_fn: Any) -> PipelineParallel:
+    """This rank's stages as ``PipelineStage`` objects over the ``pp`` sub-mesh's group, their
+    schedule, and the module the loop calls (``module``: the rank's part of the model)."""
     from torch.distributed.pipelining import PipelineStage
 
-    pp = mesh["pp"]
-    group = pp.get_group()
-    stage = PipelineStage(module, pp.get_local_rank(), pp.size(), run_device, group=group)
-    schedule = make_schedule(schedule_name, stage, microbatches, loss_fn or default_loss)
-    return PipelineParallel(module, schedule, stage, group, microbatches)
+    group = mesh["pp"].get_group()
+    pipeline_stages = [PipelineStage(stage, index, num_stages, device, group=group) for index, stage in stages]
+    schedule = make_schedule(schedule_name, pipeline_stages, microbatches, loss_fn or default_loss)
+    return PipelineParallel(module, schedule, pipeline_stages, group, microbatches)
 
 
 def join_stages(state: dict[str, Any], group: Any, *, rank0_only: bool) -> dict[str, Any]:
@@ -278,5 +332,6 @@ def pp_group(mesh: Any) -> Any:
     return mesh["pp"].get_group() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else None
 
 
-__all__ = ["PipelineParallel", "build_stage", "check", "default_loss", "group_device", "join_stages", "keep_stage",
-           "make_schedule", "pp_group", "prune_optimizer", "split_units", "stage_of_units", "wrap"]
+__all__ = ["INTERLEAVED", "PipelineParallel", "build_rank", "build_stage", "check", "default_loss", "group_device",
+           "join_stages", "keep_stages", "make_schedule", "pp_group", "prune_optimizer", "split_units", "stage_of_units",
+           "stage_view", "wrap"]

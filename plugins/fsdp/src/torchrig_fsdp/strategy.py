@@ -179,20 +179,23 @@ class FSDPStrategy:
         if pp is not None:  # this rank's stage, then TP and fully_shard on it as on a whole model
             if config.tp_plan and nd.tp_mesh(mesh) is not None:  # every pattern matches in the whole model
                 nd.resolve_plan(model, config.tp_plan, config.loss_parallel, "parallelism_config.tp_plan")
-            model = pipeline.build_stage(model, pp.get_local_rank(), pp.size(), config.pp_split_points,
-                                         config.pp_split_fn)
+            model, stages, num_stages = pipeline.build_rank(model, pp.get_local_rank(), pp.size(), config.pp_schedule,
+                                                            config.pp_split_points, config.pp_split_fn)
             prepared.unwrapped = prepared.model = model
             for optimizer in prepared.optimizers:
                 pipeline.prune_optimizer(optimizer, model)
-        self._parallelize(run, model, mesh, options, rank0_state, slots, prepared)
+        self._parallelize(run, model, mesh, options, rank0_state, slots, prepared,
+                          roots=[stage for _, stage in stages] if pp is not None else [model])
         if pp is not None:
-            prepared.model = pipeline.wrap(device, model, mesh, config.pp_schedule,
+            prepared.model = pipeline.wrap(device, model, stages, num_stages, mesh, config.pp_schedule,
                                            config.pp_microbatches or pp.size(), config.pp_loss_fn)
         return prepared
 
     def _parallelize(self, run: RunContext, model: torch.nn.Module, mesh: Any, options: FullyShardedDataParallelPlugin,
-                     rank0_state: dict[str, Any] | None, slots: list[Any], prepared: PreparedModel) -> None:
-        """Tensor parallel, then ``fully_shard`` over the data mesh (the whole model, or one pipeline stage)."""
+                     rank0_state: dict[str, Any] | None, slots: list[Any], prepared: PreparedModel,
+                     roots: list[torch.nn.Module]) -> None:
+        """Tensor parallel on ``model``, then ``fully_shard`` over the data mesh of each of ``roots``
+        (the whole model, or each pipeline stage of this rank), its blocks first."""
         assert run.device is not None
         device = run.device.device
         nd.apply_tensor_parallel(run, model, mesh, options.parallelize_fn, require_match=nd.pp_mesh(mesh) is None)
@@ -206,26 +209,27 @@ class FSDPStrategy:
             for optimizer in prepared.optimizers:
                 remap_optimizer(optimizer, slots)
             return
-        blocks = wrap_blocks(model, options, run)
-        if options.activation_checkpointing:
-            for block in blocks:
-                _checkpoint_forward(block)
-        kwargs = _shard_kwargs(run, options, model, shard_mesh)
-        policy = kwargs.pop("mp_policy")
-        # Blocks return what they computed in (a block's output feeds the next block or the root's
-        # own layers, in param_dtype); only the root's output is cast (output_dtype).
-        block_policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
-                                            cast_forward_inputs=policy.cast_forward_inputs)
-        for block in blocks:  # children before the blocks containing them, then the root
-            fully_shard(block, mp_policy=block_policy, **kwargs)
-        if options.reshard_after_forward is None and kwargs["reshard_after_forward"] is True:
-            # Unset by the user: let FSDP2 keep the root's parameters gathered from forward to
-            # backward (its heuristic, applied only when the argument is left None). An explicit
-            # True costs one more all-gather per step (measured: B9, 4% on 2 CPU ranks).
-            kwargs["reshard_after_forward"] = None
-        fully_shard(model, mp_policy=policy, **kwargs)
+        for root in roots:
+            blocks = wrap_blocks(root, options, run)
+            if options.activation_checkpointing:
+                for block in blocks:
+                    _checkpoint_forward(block)
+            kwargs = _shard_kwargs(run, options, root, shard_mesh)
+            policy = kwargs.pop("mp_policy")
+            # Blocks return what they computed in (a block's output feeds the next block or the root's
+            # own layers, in param_dtype); only the root's output is cast (output_dtype).
+            block_policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                                                cast_forward_inputs=policy.cast_forward_inputs)
+            for block in blocks:  # children before the blocks containing them, then the root
+                fully_shard(block, mp_policy=block_policy, **kwargs)
+            if options.reshard_after_forward is None and kwargs["reshard_after_forward"] is True:
+                # Unset by the user: let FSDP2 keep the root's parameters gathered from forward to
+                # backward (its heuristic, applied only when the argument is left None). An explicit
+                # True costs one more all-gather per step (measured: B9, 4% on 2 CPU ranks).
+                kwargs["reshard_after_forward"] = None
+            fully_shard(root, mp_policy=policy, **kwargs)
+            _set_prefetch(blocks, options)
         _materialize(model, options, rank0_state, device, run)
-        _set_prefetch(blocks, options)
         for optimizer in prepared.optimizers:
             remap_optimizer(optimizer, slots)
 
