@@ -14,7 +14,7 @@ from torchrig.config.resolve import resolve_config
 from torchrig.errors import ConfigError
 from torchrig.testing import make_host
 from torchrig_fsdp.mesh import mesh_layout
-from torchrig_fsdp.pipeline import build_stage, prune_optimizer, split_units
+from torchrig_fsdp.pipeline import build_rank, build_stage, prune_optimizer, split_units
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
 from pipe_model import PipeLM  # noqa: E402
@@ -49,6 +49,34 @@ def test_a_stage_is_the_model_without_the_other_stages_modules_under_the_same_na
     for stage in stages:
         hidden = stage(hidden)
     torch.testing.assert_close(hidden, model(tokens))
+
+
+def test_interleaved_ranks_hold_stages_in_loop_order_as_views_of_one_module():
+    torch.manual_seed(0)
+    whole = PipeLM()
+    state = whole.state_dict()
+    points = ["layers.1", "layers.2", "layers.3"]
+    parts = []
+    for rank in range(2):
+        torch.manual_seed(0)
+        module, stages, num_stages = build_rank(PipeLM(), rank, 2, "Interleaved1F1B", points, None)
+        assert num_stages == 4 and [index for index, _ in stages] == [rank, rank + 2]
+        # the rank's module keeps its stages' names; each view shares its modules (same parameters)
+        assert set(module.state_dict()) == set().union(*(view.state_dict() for _, view in stages))
+        for _, view in stages:
+            for name, param in view.named_parameters():
+                assert param is module.get_parameter(name)
+        assert type(stages[0][1]) is PipeLM and module.layers is not stages[0][1].layers  # the container is cloned
+        parts.append(dict(stages))
+    assert set(parts[0][0].state_dict()) == {k for k in state if k.startswith(("embed.", "layers.0."))}
+    assert set(parts[1][3].state_dict()) == {k for k in state if k.startswith(("layers.3.", "norm.", "head."))}
+    tokens = torch.randint(0, 32, (2, 8))
+    hidden = tokens
+    for index in range(4):
+        hidden = parts[index % 2][index](hidden)
+    torch.testing.assert_close(hidden, whole(tokens))
+    with pytest.raises(ConfigError, match="needs a multiple of pp_size \\(2\\), at least 4"):
+        build_rank(PipeLM(), 0, 2, "Interleaved1F1B", ["layers.2"], None)
 
 
 def test_the_optimizer_keeps_only_its_stages_parameters():
@@ -109,6 +137,9 @@ def test_pipeline_keys_are_checked_before_launch(tmp_path):
     assert "2 split point(s) make 3 stages but pp_size is 2" in text and "run.yaml" in text
     text = _problems(tmp_path, {"pp_size": 4, "pp_split_points": ["a", "b", "c"], "pp_schedule": "Zero"})
     assert "parallelism_config.pp_schedule" in text and "GPipe" in text
+    text = _problems(tmp_path, {"pp_size": 2, "pp_split_points": ["layers.2"], "pp_schedule": "Interleaved1F1B",
+                                "dp_shard_size": 2})
+    assert "Interleaved1F1B needs a multiple of pp_size (2), at least 4" in text
     text = _problems(tmp_path, {"pp_size": 2, "pp_split_points": ["layers.2"]}, distributed_type="DDP")
     assert "does not build a pp axis" in text and "use strategy fsdp" in text
 
