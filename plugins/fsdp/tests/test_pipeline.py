@@ -87,8 +87,10 @@ def _train(ctx, parallelism: dict, dp_size: int, save: str | None = None):
                 optimizer.step()
                 optimizer.zero_grad()
             losses.append(loss.item())
+        model.eval()
         with torch.no_grad():  # forward only (the schedule's eval): the loss of the last batch again
             evaluated = float(model(tokens, target=labels))
+        model.train()
         if save:
             accelerator.save_state(save)
         params = {name: _full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}

@@ -39,11 +39,10 @@ def split_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]
     """The modules a split point may name, in registration order (``(name, parent, key)``): the
     model's children, a container child (``ModuleList``, ``ModuleDict``, ``Sequential``) replaced by
     its own children, so that ``layers.2`` is a unit."""
-    units = []
-    root_children = model._modules.items() if not isinstance(model, _CONTAINERS) else []
-    if isinstance(model, _CONTAINERS):
+    if isinstance(model, _CONTAINERS):  # a Sequential model: its children
         return [(key, model, key) for key, child in model._modules.items() if child is not None]
-    for key, child in root_children:
+    units = []
+    for key, child in model._modules.items():
         if child is None:
             continue
         if isinstance(child, _CONTAINERS):
@@ -247,6 +246,13 @@ class PipelineParallel(torch.nn.Module):
         self.module = module
         self._pipeline = (schedule, stages, group)
         self.microbatches = microbatches
+
+    def train(self, mode: bool = True) -> PipelineParallel:
+        """Also the stage views of an interleaved rank (clones of ``module``'s root, not its children)."""
+        super().train(mode)
+        for stage in self._pipeline[1]:
+            stage.submod.train(mode)
+        return self
 
     def forward(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         schedule, stages, group = self._pipeline
