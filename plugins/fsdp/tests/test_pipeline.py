@@ -264,6 +264,26 @@ def test_pipeline_x_data_or_tensor_parallel_trains_like_one_process(pools, layou
     _check_layout(pools, layout)
 
 
+def _gather_eval(ctx) -> tuple[list[int], int]:
+    """Evaluation data over 11 samples (uneven) with gather_for_metrics under pp 2 x dp_shard 2."""
+    from torchrig import Accelerator
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=LAYOUTS["pp_x_fsdp"][1])
+        loader = accelerator.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(11)),
+                                                                 batch_size=2))
+        seen = []
+        for (ids,) in loader:
+            seen += accelerator.gather_for_metrics(ids).tolist()
+        return seen, len(accelerator.gather_for_metrics([ctx.rank], use_gather_object=True))
+
+
+def test_gather_for_metrics_counts_every_sample_once_across_pipeline_stages(pools):
+    for seen, objects in pools(4).run(_gather_eval, timeout=TIMEOUT):
+        assert sorted(seen) == list(range(11))  # both stages of a pipeline read the same batches
+        assert objects == 2  # one object per data-parallel rank
+
+
 # -- a real launch from a config file -----------------------------------------------------------------
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "launch_scripts", "pipe_train.py")
