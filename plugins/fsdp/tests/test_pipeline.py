@@ -1,8 +1,9 @@
-"""Pipeline parallelism (``parallelism_config.pp_size``) of the fsdp strategy on gloo ranks: GPipe and 1F1B
-over two stages, pipeline x FSDP2 (pp 2 x dp_shard 2), each compared with a one-process reference of the
-same model, data and seed (the loss of every step, every parameter after training), with gradient clipping
-and accumulation 2; resuming a pp 2 checkpoint in one process; and one real ``torchrig launch --num_processes 4``
-from a config file.
+"""Pipeline parallelism (``parallelism_config.pp_size``) of the fsdp strategy on gloo ranks: GPipe, 1F1B,
+a hand-written ``pp_split_fn`` and Interleaved1F1B on two ranks, pipeline x FSDP2, interleaved x FSDP2 and
+pipeline x TP on four, each compared with a one-process reference of the same model, data and seed (the loss
+of every step, the clipped norm, the forward-only loss, every parameter after training), with gradient
+clipping and accumulation 2; refusals; pipeline checkpoints resumed in one process; gather_for_metrics; and
+one real ``torchrig launch --num_processes 4`` from a config file.
 
 Two and four ranks on two cores: one pool at a time, tiny model, few steps; each task has a hard timeout.
 """
@@ -128,6 +129,17 @@ def _reference(dp_size: int, epochs: int = 1) -> dict:
 PP_TP_PLAN = {"embed": "embedding", "layers.*.attn.[qkv]": "colwise", "layers.*.attn.o": "rowwise",
               "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise", "head": "output"}
 INTERLEAVED = {"pp_size": 2, "pp_split_points": ["layers.1", "layers.2", "layers.3"], "pp_schedule": "Interleaved1F1B"}
+def split_by_hand(model, stage, num_stages):
+    """A ``pp_split_fn``: the same cut as SPLIT, written by hand (names kept)."""
+    for index in (range(2, 4) if stage == 0 else range(2)):
+        del model.layers._modules[str(index)]
+    if stage == 0:
+        model.norm = model.head = None
+    else:
+        model.embed = None
+    return model
+
+
 GPIPE = {"pp_size": 2, "pp_split_points": SPLIT, "pp_schedule": "GPipe"}
 LAYOUTS = {
     # name: (world size, parallelism_config, data-parallel size, mesh)
@@ -135,6 +147,7 @@ LAYOUTS = {
     "1f1b": (2, {"pp_size": 2, "pp_split_points": SPLIT, "pp_schedule": "1F1B", "pp_microbatches": 4}, 1,
              {"pp": 2, "dp_shard": 1}),
     "pp_x_fsdp": (4, {"pp_size": 2, "dp_shard_size": 2, "pp_split_points": SPLIT}, 2, {"pp": 2, "dp_shard": 2}),
+    "split_fn": (2, {"pp_size": 2, "pp_split_fn": split_by_hand}, 1, {"pp": 2, "dp_shard": 1}),
     # four stages, two per rank (0 and 2 on the first, 1 and 3 on the second)
     "interleaved": (2, INTERLEAVED, 1, {"pp": 2, "dp_shard": 1}),
     "interleaved_x_fsdp": (4, {**INTERLEAVED, "dp_shard_size": 2}, 2, {"pp": 2, "dp_shard": 2}),
@@ -150,7 +163,7 @@ def _rank_units(layout: str, pp_rank: int) -> set[str]:
     return {"embed", "layers.0", "layers.1"} if pp_rank == 0 else {"layers.2", "layers.3", "norm", "head"}
 
 
-@pytest.mark.parametrize("layout", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("layout", ["gpipe", "1f1b", "interleaved", "split_fn"])
 def test_pipeline_stages_train_like_one_process(pools, layout):
     _check_layout(pools, layout)
 
