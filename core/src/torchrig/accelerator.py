@@ -506,7 +506,7 @@ class Accelerator(ProcessControl):
     @property
     def torch_device_mesh(self) -> Any:
         """The run's ``DeviceMesh`` when the strategy built one (``parallelism_config``; named axes
-        ``dp_replicate``, ``dp_shard``, ``tp``), else None (Accelerate's name)."""
+        ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``), else None (Accelerate's name)."""
         return self.strategy_capabilities.device_mesh
 
     @property

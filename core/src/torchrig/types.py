@@ -76,9 +76,9 @@ class Capabilities:
     data_parallel_size: int | None = None
     data_parallel_rank: int | None = None
     #: The run's ``torch.distributed.device_mesh.DeviceMesh`` when the strategy built one (named
-    #: axes: ``dp_replicate``, ``dp_shard``, ``tp``); ``accelerator.torch_device_mesh`` returns it.
+    #: axes: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``); ``accelerator.torch_device_mesh`` returns it.
     device_mesh: Any = None
-    #: When some ranks share batches (tensor parallel): the process group of the data-parallel
+    #: When some ranks share batches (tensor parallel, pipeline stages): the process group of the data-parallel
     #: ranks this rank belongs to, one rank per data-parallel rank, in data-parallel order.
     #: ``gather_for_metrics`` gathers over it, so every sample is counted once. None: the world.
     data_parallel_group: Any = None

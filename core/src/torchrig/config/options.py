@@ -283,6 +283,8 @@ PARALLELISM_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 #: Names, not objects, so that a plan can come from a file; docs/parallelism.md says what each does.
 TP_STYLES = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "prepare_input_sp", "rowwise_sp",
              "embedding_sp", "output_sp")
+#: Pipeline schedules ``pp_schedule`` may name (torch.distributed.pipelining's classes, torchtitan's names).
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
 
 def _mesh_size(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -300,6 +302,24 @@ def _tp_plan(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         pattern, style = next(iter(bad.items()))
         raise ValueError(f"{pattern!r}: unknown style {style!r}; styles: {', '.join(TP_STYLES)} (or null: "
                          "leave the module whole)", attribute)
+
+
+def _split_points(value: Any) -> Any:
+    """``"layers.2,layers.4"`` (a flag, an environment variable) -> a list of names."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _check_split_points(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list) or not value or not all(isinstance(name, str) and name for name in value):
+        raise ValueError(f"expected a non-empty list of module names (e.g. [layers.2]), got {value!r}", attribute)
+    if len(set(value)) != len(value):
+        raise ValueError(f"names a module twice: {value!r}", attribute)
 
 
 def _size_option(axis: str, what: str) -> Any:
@@ -325,6 +345,21 @@ class ParallelismConfig:
         "default: the model's own base_model_tp_plan", validator=_tp_plan)
     loss_parallel: bool = option(False, help="keep the output projection sharded over tp and compute the "
                                  "cross-entropy on the shards (torch's loss_parallel)")
+    pp_split_points: list[str] | None = option(
+        None, help="pipeline stage boundaries: the module each stage after the first begins with (e.g. layers.2); "
+        "pp_size stages, each the model with the other stages' modules removed (names kept)",
+        normalize=_split_points, converter=_split_points, validator=_check_split_points, flag="--pp_split_points")
+    pp_split_fn: Any = option(None, help="pp_split_fn(model, stage_index, num_stages) -> the stage's module, instead "
+                              "of pp_split_points (Python only)", python_only=True)
+    pp_schedule: str = option("1F1B", help="pipeline schedule: GPipe, 1F1B, or Interleaved1F1B (several stages per rank: "
+                              "pp_split_points makes a multiple of pp_size stages) (torch.distributed.pipelining)",
+                              choices=PP_SCHEDULES, validator=attrs.validators.in_(PP_SCHEDULES), flag="--pp_schedule")
+    pp_microbatches: int | None = option(
+        None, help="micro-batches each batch is split into by the pipeline schedule (the batch size must be a "
+        "multiple); default: pp_size. gradient_accumulation_steps still counts batches per optimizer step",
+        validator=attrs.validators.optional(at_least(1)), flag="--pp_microbatches")
+    pp_loss_fn: Any = option(None, help="pp_loss_fn(output, target) -> loss of one micro-batch, computed on the last "
+                             "stage; default: cross-entropy over the last dimension (Python only)", python_only=True)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -380,6 +415,7 @@ __all__ = [
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "PARALLELISM_AXES",
+    "PP_SCHEDULES",
     "ParallelismConfig",
     "PreemptionConfig",
     "ProfileKwargs",

@@ -75,6 +75,7 @@ def parallelism_problems(
             if values.get(f"{SECTION}.{key}"):
                 problems.append(Problem(f"{SECTION}.{key}", "has no effect with tp_size 1; set "
                                         f"{SECTION}.tp_size (or remove {key})", where(f"{SECTION}.{key}")))
+    problems += _pipeline_problems(values, checked["pp"], where)
     if all(size == 1 for size in checked.values()):
         return problems  # no mesh asked for: the strategy's own layout applies
     resolved = checked
@@ -95,6 +96,34 @@ def parallelism_problems(
             problems.append(Problem(key_of(axis), (
                 f"{axis}_size={size} but the strategy {strategy!r} does not build a {axis} axis (it declares "
                 f"{', '.join(supported) or 'none'}); {instead}"), where(key_of(axis))))
+    return problems
+
+
+def _pipeline_problems(values: Mapping[str, object], pp: int, where: Callable[[str], str | None]) -> list[Problem]:
+    """Pipeline keys without a pipeline (refused rather than ignored), and split points that do not
+    make ``pp_size`` stages. A pipeline with no split at all is refused by the strategy at start:
+    ``pp_split_fn`` is Python-only, so the launcher cannot see it."""
+    problems = []
+    if pp == 1:
+        for key in ("pp_split_points", "pp_split_fn", "pp_microbatches", "pp_loss_fn"):
+            if values.get(f"{SECTION}.{key}") is not None:
+                problems.append(Problem(f"{SECTION}.{key}", f"has no effect with pp_size 1; set {SECTION}.pp_size "
+                                        f"(or remove {key})", where(f"{SECTION}.{key}")))
+        return problems
+    points = values.get(f"{SECTION}.pp_split_points")
+    interleaved = values.get(f"{SECTION}.pp_schedule") == "Interleaved1F1B"
+    stages = len(points) + 1 if isinstance(points, list) else 0
+    if interleaved and pp > 1 and stages and (stages % pp or stages < 2 * pp):
+        problems.append(Problem(f"{SECTION}.pp_split_points", (
+            f"{len(points)} split point(s) make {stages} stages; Interleaved1F1B needs a multiple of pp_size ({pp}), "
+            f"at least {2 * pp} (two stages per rank)"), where(f"{SECTION}.pp_split_points")))
+    elif isinstance(points, list) and pp > 1 and not interleaved and stages != pp:
+        problems.append(Problem(f"{SECTION}.pp_split_points", (
+            f"{len(points)} split point(s) make {len(points) + 1} stages but pp_size is {pp}; give pp_size - 1 = "
+            f"{pp - 1} module names, each the first module of a stage"), where(f"{SECTION}.pp_split_points")))
+    if points is not None and values.get(f"{SECTION}.pp_split_fn") is not None:
+        problems.append(Problem(f"{SECTION}.pp_split_fn", "pp_split_points and pp_split_fn both split the model; "
+                                "give one", where(f"{SECTION}.pp_split_fn")))
     return problems
 
 

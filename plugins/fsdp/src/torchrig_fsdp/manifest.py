@@ -47,7 +47,7 @@ class FSDPManifest(PluginManifest):
     install_hint = "torchrig[fsdp]"
     requires = ()  # torch is a dependency of torchrig itself
     aliases = ("FSDP",)
-    parallelism_axes = ("dp_replicate", "dp_shard", "tp")  # the N-D mesh: torchrig_fsdp.mesh
+    parallelism_axes = ("pp", "dp_replicate", "dp_shard", "tp")  # the N-D mesh: torchrig_fsdp.mesh
     distributed_type = "FSDP"
     state_attribute = "fsdp_plugin"
     exports = {

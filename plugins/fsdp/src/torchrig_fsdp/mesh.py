@@ -19,7 +19,7 @@ from torchrig.errors import ConfigError
 from torchrig.run import RunContext
 
 #: Mesh axes the strategy builds, outermost first (docs/parallelism.md: why this order).
-AXES = ("dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 DATA_AXES = ("dp_replicate", "dp_shard")
 
 
@@ -29,13 +29,12 @@ def parallelism(run: RunContext) -> ParallelismConfig:
 
 def mesh_layout(config: ParallelismConfig, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Shape and names of the mesh for ``config`` at ``world_size``: ``dp_shard`` always (the axis
-    FSDP2 shards over, size 1 when unused), ``dp_replicate`` and ``tp`` when larger than 1.
+    FSDP2 shards over, size 1 when unused), ``pp``, ``dp_replicate`` and ``tp`` when larger than 1.
     Raises :class:`ConfigError` naming the keys when the sizes do not fit the world."""
     sizes, problems = infer_sizes(config.sizes, world_size)
-    for axis in ("cp", "pp"):
-        if sizes[axis] != 1:
-            problems.append((axis, f"{axis}_size={sizes[axis]}: the fsdp strategy builds {', '.join(AXES)} only "
-                                   "(context and pipeline parallelism are not available yet)"))
+    if sizes["cp"] != 1:
+        problems.append(("cp", f"cp_size={sizes['cp']}: the fsdp strategy builds {', '.join(AXES)} only "
+                               "(context parallelism is not available yet)"))
     if problems:
         raise ConfigError([f"{key_of(axis)}: {message}" for axis, message in problems])
     names = tuple(axis for axis in AXES if axis == "dp_shard" or sizes[axis] > 1)
@@ -52,7 +51,7 @@ def data_mesh(mesh: Any) -> Any:
 
 
 def data_parallel_layout(mesh: Any) -> tuple[int, int]:
-    """(size, rank) of data parallelism: ranks of one ``tp`` group get the same batches."""
+    """(size, rank) of data parallelism: ranks of one ``tp`` group (and of one pipeline) get the same batches."""
     if mesh is None:
         return 1, 0
     size, index = 1, 0
@@ -64,10 +63,10 @@ def data_parallel_layout(mesh: Any) -> tuple[int, int]:
 
 
 def data_parallel_group(mesh: Any) -> Any:
-    """The process group of this rank's data-parallel peers (same ``tp`` coordinate), or None when
-    every rank is a data-parallel rank (no ``tp`` axis). Collective: call on every rank."""
+    """The process group of this rank's data-parallel peers (same ``tp`` and ``pp`` coordinates), or
+    None when every rank is a data-parallel rank (no ``tp`` nor ``pp`` axis). Collective: call on every rank."""
     names = mesh.mesh_dim_names or ()
-    if "tp" not in names:
+    if "tp" not in names and "pp" not in names:
         return None
     data = tuple(name for name in DATA_AXES if name in names)
     if len(data) == 1:
@@ -77,6 +76,10 @@ def data_parallel_group(mesh: Any) -> Any:
 
 def tp_mesh(mesh: Any) -> Any:
     return mesh["tp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else None
+
+
+def pp_mesh(mesh: Any) -> Any:
+    return mesh["pp"] if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else None
 
 
 # -- tensor parallel ------------------------------------------------------------------------------
@@ -123,9 +126,11 @@ def model_plan(model: torch.nn.Module) -> dict[str, Any] | None:
     return None
 
 
-def resolve_plan(model: torch.nn.Module, plan: dict[str, Any], loss_parallel: bool, where: str) -> dict[str, Any]:
-    """Module-name globs -> ``{module name: ParallelStyle}``; every pattern must match a module and
-    every style name must be known (errors name ``where`` and list what exists)."""
+def resolve_plan(model: torch.nn.Module, plan: dict[str, Any], loss_parallel: bool, where: str,
+                 require_match: bool = True) -> dict[str, Any]:
+    """Module-name globs -> ``{module name: ParallelStyle}``; every pattern must match a module
+    (unless ``require_match`` is False: a pipeline stage, the plan being checked on the whole model
+    first) and every style name must be known (errors name ``where`` and list what exists)."""
     styles = _styles(loss_parallel)
     names = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, Any] = {}
@@ -137,7 +142,7 @@ def resolve_plan(model: torch.nn.Module, plan: dict[str, Any], loss_parallel: bo
             problems.append(f"{where}: {pattern!r}: unknown style {style!r}; styles: {', '.join(styles)}")
             continue
         matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
-        if not matched:
+        if not matched and require_match:
             sample = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
             problems.append(f"{where}: {pattern!r} matches no module of {type(model).__name__} (modules: {sample})")
         for name in matched:
@@ -147,7 +152,8 @@ def resolve_plan(model: torch.nn.Module, plan: dict[str, Any], loss_parallel: bo
     return resolved
 
 
-def apply_tensor_parallel(run: RunContext, model: torch.nn.Module, mesh: Any, parallelize_fn: Any) -> None:
+def apply_tensor_parallel(run: RunContext, model: torch.nn.Module, mesh: Any, parallelize_fn: Any,
+                          require_match: bool = True) -> None:
     """``parallelize_fn(model, mesh)`` when given (it receives the whole mesh), else the plan:
     ``parallelism_config.tp_plan`` or the model's own, applied over the ``tp`` sub-mesh."""
     config = parallelism(run)
@@ -166,7 +172,7 @@ def apply_tensor_parallel(run: RunContext, model: torch.nn.Module, mesh: Any, pa
                            "(module-name glob -> style) or pass FullyShardedDataParallelPlugin(parallelize_fn=...)"])
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, tp, resolve_plan(model, plan, config.loss_parallel, where))
+    parallelize_module(model, tp, resolve_plan(model, plan, config.loss_parallel, where, require_match))
 
 
 def wrap_loss_parallel(model: torch.nn.Module) -> None:
@@ -195,5 +201,5 @@ def loss_parallel_backward(backward: Any) -> Any:
 
 
 __all__ = ["AXES", "DATA_AXES", "apply_tensor_parallel", "data_mesh", "data_parallel_group", "data_parallel_layout",
-           "loss_parallel_backward", "mesh_layout", "model_plan", "parallelism", "resolve_plan", "tp_mesh",
+           "loss_parallel_backward", "mesh_layout", "model_plan", "parallelism", "pp_mesh", "resolve_plan", "tp_mesh",
            "wrap_loss_parallel"]

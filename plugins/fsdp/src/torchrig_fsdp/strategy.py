@@ -37,6 +37,7 @@ from torchrig.types import Capabilities, PreparedModel, StashKey
 
 from torchrig_fsdp import checkpoint as fsdp_checkpoint
 from torchrig_fsdp import mesh as nd
+from torchrig_fsdp import pipeline
 from torchrig_fsdp.manifest import HYBRID, SECTION
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
@@ -132,6 +133,8 @@ class FSDPStrategy:
         else:
             shape, names = mesh_shape(options.sharding_strategy, cluster.world_size, cluster.num_nodes,
                                       cluster.local_world_size)
+        if "pp" in names:
+            pipeline.check(nd.parallelism(run), options)
         run.stash[MESH] = init_device_mesh(run.device.device.type, shape, mesh_dim_names=names)
         run.stash[DP_GROUP] = nd.data_parallel_group(run.stash[MESH])
         _explain_no_ops(options)
@@ -175,45 +178,70 @@ class FSDPStrategy:
             rank0_state = model.state_dict() if run.cluster.is_main_process else {}
         elif options.sync_module_states:
             _broadcast_from_rank0(model)
-        nd.apply_tensor_parallel(run, model, mesh, options.parallelize_fn)
+        pp, config = nd.pp_mesh(mesh), nd.parallelism(run)
+        if pp is not None:  # this rank's stage, then TP and fully_shard on it as on a whole model
+            if config.tp_plan and nd.tp_mesh(mesh) is not None:  # every pattern matches in the whole model
+                nd.resolve_plan(model, config.tp_plan, config.loss_parallel, "parallelism_config.tp_plan")
+            model, stages, num_stages = pipeline.build_rank(model, pp.get_local_rank(), pp.size(), config.pp_schedule,
+                                                            config.pp_split_points, config.pp_split_fn)
+            prepared.unwrapped = prepared.model = model
+            for optimizer in prepared.optimizers:
+                pipeline.prune_optimizer(optimizer, model)
+        self._parallelize(run, model, mesh, options, rank0_state, slots, prepared,
+                          roots=[stage for _, stage in stages] if pp is not None else [model])
+        if pp is not None:
+            prepared.model = pipeline.wrap(device, model, stages, num_stages, mesh, config.pp_schedule,
+                                           config.pp_microbatches or pp.size(), config.pp_loss_fn)
+        return prepared
+
+    def _parallelize(self, run: RunContext, model: torch.nn.Module, mesh: Any, options: FullyShardedDataParallelPlugin,
+                     rank0_state: dict[str, Any] | None, slots: list[Any], prepared: PreparedModel,
+                     roots: list[torch.nn.Module]) -> None:
+        """Tensor parallel on ``model``, then ``fully_shard`` over the data mesh of each of ``roots``
+        (the whole model, or each pipeline stage of this rank), its blocks first."""
+        assert run.device is not None
+        device = run.device.device
+        nd.apply_tensor_parallel(run, model, mesh, options.parallelize_fn, require_match=nd.pp_mesh(mesh) is None)
         if nd.parallelism(run).loss_parallel:
             nd.wrap_loss_parallel(model)
         shard_mesh = nd.data_mesh(mesh) if nd.parallelism(run).enabled else mesh
         if shard_mesh is None:  # tensor parallel alone: no data axis to shard over
-            if run.option("mixed_precision") == "fp16":
+            if run.option("mixed_precision") == "fp16" and nd.tp_mesh(mesh) is not None:
                 raise FSDPConfigError(_FP16_TP_ALONE)
             _materialize(model, options, rank0_state, device, run)
             for optimizer in prepared.optimizers:
                 remap_optimizer(optimizer, slots)
-            return prepared
-        blocks = wrap_blocks(model, options, run)
-        if options.activation_checkpointing:
-            for block in blocks:
-                _checkpoint_forward(block)
-        kwargs = _shard_kwargs(run, options, model, shard_mesh)
-        policy = kwargs.pop("mp_policy")
-        # Blocks return what they computed in (a block's output feeds the next block or the root's
-        # own layers, in param_dtype); only the root's output is cast (output_dtype).
-        block_policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
-                                            cast_forward_inputs=policy.cast_forward_inputs)
-        for block in blocks:  # children before the blocks containing them, then the root
-            fully_shard(block, mp_policy=block_policy, **kwargs)
-        if options.reshard_after_forward is None and kwargs["reshard_after_forward"] is True:
-            # Unset by the user: let FSDP2 keep the root's parameters gathered from forward to
-            # backward (its heuristic, applied only when the argument is left None). An explicit
-            # True costs one more all-gather per step (measured: B9, 4% on 2 CPU ranks).
-            kwargs["reshard_after_forward"] = None
-        fully_shard(model, mp_policy=policy, **kwargs)
+            return
+        for root in roots:
+            blocks = wrap_blocks(root, options, run)
+            if options.activation_checkpointing:
+                for block in blocks:
+                    _checkpoint_forward(block)
+            kwargs = _shard_kwargs(run, options, root, shard_mesh)
+            policy = kwargs.pop("mp_policy")
+            # Blocks return what they computed in (a block's output feeds the next block or the root's
+            # own layers, in param_dtype); only the root's output is cast (output_dtype).
+            block_policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                                                cast_forward_inputs=policy.cast_forward_inputs)
+            for block in blocks:  # children before the blocks containing them, then the root
+                fully_shard(block, mp_policy=block_policy, **kwargs)
+            if options.reshard_after_forward is None and kwargs["reshard_after_forward"] is True:
+                # Unset by the user: let FSDP2 keep the root's parameters gathered from forward to
+                # backward (its heuristic, applied only when the argument is left None). An explicit
+                # True costs one more all-gather per step (measured: B9, 4% on 2 CPU ranks).
+                kwargs["reshard_after_forward"] = None
+            fully_shard(root, mp_policy=policy, **kwargs)
+            _set_prefetch(blocks, options)
         _materialize(model, options, rank0_state, device, run)
-        _set_prefetch(blocks, options)
         for optimizer in prepared.optimizers:
             remap_optimizer(optimizer, slots)
-        return prepared
 
     @hookimpl
     def torchrig_strategy_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
         plan.set("no_sync", _no_sync)
-        plan.set("clip_grad_norm", clip_grad_norm)
+        group = pipeline.pp_group(run.stash.get(MESH))
+        # pipeline stages: the total norm adds every stage's gradients (reduced over the pp group)
+        plan.set("clip_grad_norm", clip_grad_norm if group is None else functools.partial(clip_grad_norm, group=group))
         if run.cluster.world_size > 1 and run.option("mixed_precision") == "fp16":
             self._install_scaler(run, plan)
         if nd.parallelism(run).loss_parallel and run.cluster.world_size > 1:
@@ -248,6 +276,10 @@ class FSDPStrategy:
     @hookimpl
     def torchrig_full_state_dict(self, run: RunContext, prepared: PreparedModel) -> dict[str, Any]:
         config = fsdp_options(run).state_dict_config or {}
+        group = pipeline.pp_group(run.stash.get(MESH))
+        if group is not None:  # each stage gathers its shards, then the stages are joined
+            stage = fsdp_checkpoint.full_model_state(run, prepared.unwrapped, rank0_only=False, offload_to_cpu=True)
+            return pipeline.join_stages(stage, group, rank0_only=config.get("rank0_only", True))
         return fsdp_checkpoint.full_model_state(run, prepared.unwrapped, rank0_only=config.get("rank0_only", True),
                                                 offload_to_cpu=config.get("offload_to_cpu", True))
 
@@ -512,32 +544,38 @@ def _no_sync(model: Any) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0, *, group: Any = None) -> torch.Tensor:
     """``clip_grad_norm_`` whose norm covers every shard: DTensor gradients are grouped by mesh and
-    placement, each group's norm is made global, the groups are combined, then every gradient is
-    scaled. Returns a plain tensor, equal on every rank."""
+    placement, each group's norm is made global, the groups are combined — and with ``group`` (the
+    pipeline's stages) combined across its ranks — then every gradient is scaled. Returns a plain
+    tensor, equal on every rank."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
-    if not grads:
+    if not grads and group is None:
         return torch.tensor(0.0)
     groups: dict[Any, list[torch.Tensor]] = {}
     for grad in grads:
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else grad.device
         groups.setdefault(key, []).append(grad)
-    norms = []
+    norms = [torch.zeros((), device=torch.device("cpu") if group is None else pipeline.group_device(group))]
     for members in groups.values():
         norm = torch.nn.utils.get_total_norm(members, norm_type=norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = norms[0].device
-    norms = [n.to(device) for n in norms]
+    device = norms[-1].device
+    norms = [n.to(device).float() for n in norms]
     if math.isinf(norm_type):
         total = torch.stack(norms).max()
+        if group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
-        total = torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
+        total = torch.stack(norms).pow(norm_type).sum()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        total = total.pow(1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for key, members in groups.items():
