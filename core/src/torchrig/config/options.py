@@ -325,6 +325,14 @@ class ParallelismConfig:
         "default: the model's own base_model_tp_plan", validator=_tp_plan)
     loss_parallel: bool = option(False, help="keep the output projection sharded over tp and compute the "
                                  "cross-entropy on the shards (torch's loss_parallel)")
+    cp_comm_strategy: str = option("allgather", help="how ring attention exchanges key/value chunks over cp: "
+                                   "allgather or alltoall (Accelerate's TorchContextParallelConfig.cp_comm_strategy)",
+                                   normalize=_lower, choices=("allgather", "alltoall"))
+    cp_load_balance: bool = option(True, help="reorder the sequence head-tail over the cp ranks so causal attention "
+                                   "costs each rank the same (needs is_causal attention and a length divisible by "
+                                   "2 x cp_size)")
+    async_tp: bool = option(False, help="asynchronous tensor parallel: overlap tp communication with the matmuls "
+                            "(torch's micro-pipeline TP; CUDA and torch.compile only)")
 
     @property
     def sizes(self) -> dict[str, int]:
