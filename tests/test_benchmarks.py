@@ -34,3 +34,16 @@ def test_sharded_gpu_benchmark_code_path_runs_on_two_cpu_ranks():
                            capture_output=True, text=True, timeout=600, env=ENV)
     assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
     assert "fsdp: 2 rank(s); torchrig" in smoke.stdout and "B8 CPU smoke run finished" in smoke.stdout
+
+
+@pytest.mark.multiprocess
+def test_mesh_benchmark_runs_both_cpu_rows_and_skips_the_gpu_row_cleanly():
+    table = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--quick", "--only", "B13"], capture_output=True,
+                           text=True, timeout=600, env=ENV)
+    rows = {line.split()[0]: line for line in table.stdout.splitlines() if line[:4] in ("B13 ", "B14 ", "B15 ")}
+    assert set(rows) == {"B13", "B14", "B15"}, table.stdout[-3000:] + table.stderr[-3000:]
+    assert "did not finish" not in table.stdout
+    assert "FSDP2×TP ÷ hand-written FSDP2×TP" in rows["B14"] and "TP ÷ hand-written TP" in rows["B13"]
+    import torch
+
+    assert ("skipped" in rows["B15"]) != (torch.cuda.device_count() >= 2), rows["B15"]
