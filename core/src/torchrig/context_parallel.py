@@ -117,6 +117,17 @@ def context_parallel(cp_mesh: Any, buffers: Sequence[Any], buffer_seq_dims: Sequ
         problems.append(f"parallelism_config.cp_comm_strategy: {comm_strategy!r}; choose {' or '.join(COMM_STRATEGIES)}")
     if problems:
         raise ConfigError(problems, header="accelerator.maybe_context_parallel")
+    with ring_attention(cp_mesh, buffers, buffer_seq_dims, no_restore_buffers, comm_strategy=comm_strategy,
+                        load_balance=load_balance):
+        yield
+
+
+@contextlib.contextmanager
+def ring_attention(cp_mesh: Any, buffers: Sequence[Any], buffer_seq_dims: Sequence[int],
+                   no_restore_buffers: Sequence[Any], *, comm_strategy: str, load_balance: bool) -> Iterator[None]:
+    """Torch's context parallel with the :class:`AttentionGuard` around its SDPA and the math backend
+    excluded; raises on exit when no SDPA call ran. The checks of :func:`context_parallel` come
+    first; this part runs on any device (on a CPU, until the first attention call)."""
     from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
     from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -146,4 +157,4 @@ def context_parallel(cp_mesh: Any, buffers: Sequence[Any], buffer_seq_dims: Sequ
                            "(transformers: attn_implementation='sdpa')"], header="accelerator.maybe_context_parallel")
 
 
-__all__ = ["COMM_STRATEGIES", "KEY", "AttentionGuard", "buffer_problems", "context_parallel"]
+__all__ = ["COMM_STRATEGIES", "KEY", "AttentionGuard", "buffer_problems", "context_parallel", "ring_attention"]

@@ -239,6 +239,54 @@ def test_named_submeshes_data_collectives_and_context_parallel_refused_on_cpu(po
         assert collected["data"] == peers and refused is None
 
 
+def _ring_attention_on_cpu(ctx):
+    """torch's context parallel for real on the cp sub-mesh, up to the attention kernel (which CPUs lack):
+    buffers sharded head-tail and restored, the guard installed over torch's SDPA and removed, refusals
+    raised inside the real context, and leaving it without an SDPA call refused."""
+    from torchrig import Accelerator
+    from torchrig.context_parallel import AttentionGuard, ring_attention
+    from torchrig.errors import ConfigError
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config={"dp_shard_size": 2, "cp_size": 2})
+        cp = accelerator.device_submeshes["cp"]
+        ids = torch.arange(16).reshape(1, 16)
+        seen, refusals, kept_lengths = {}, [], []
+        q = torch.randn(1, 2, 8, 4)
+        for load_balance in (True, False):
+            kept = torch.arange(16).reshape(1, 16)
+            try:
+                with ring_attention(cp, [ids, kept], [1, 1], [kept], comm_strategy="allgather",
+                                    load_balance=load_balance):
+                    seen[load_balance] = ids.tolist()[0]
+                    assert isinstance(torch.nn.functional.scaled_dot_product_attention, AttentionGuard)
+                    torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+            except ConfigError as exc:
+                refusals.append(str(exc))
+            kept_lengths.append(kept.shape[1])
+        try:
+            with ring_attention(cp, [ids], [1], [], comm_strategy="alltoall", load_balance=False):
+                ids.float().softmax(-1)  # "attention" that never calls SDPA
+        except ConfigError as exc:
+            refusals.append(str(exc))
+        restored = torch.nn.functional.scaled_dot_product_attention is sdpa
+        return seen, ids.tolist()[0], kept_lengths, refusals, restored, cp.get_local_rank()
+
+
+def test_ring_attention_shards_restores_and_refuses_around_torchs_context_parallel(pool):
+    for seen, ids, kept, refusals, restored, cp_rank in pool.run(_ring_attention_on_cpu, timeout=TIMEOUT):
+        # head-tail: 4 chunks of 4, cp rank 0 holds the first and last, rank 1 the middle two
+        chunks = [list(range(i, i + 4)) for i in range(0, 16, 4)]
+        expected = chunks[0] + chunks[3] if cp_rank == 0 else chunks[1] + chunks[2]
+        assert seen[True] == expected
+        assert seen[False] == list(range(8 * cp_rank, 8 * cp_rank + 8))  # contiguous halves
+        assert ids == list(range(16)) and kept == [8, 8]  # restored, except the no_restore buffer
+        assert len(refusals) == 3 and restored
+        assert all("attn_mask: an explicit attention mask" in text for text in refusals[:2])
+        assert "no torch.nn.functional.scaled_dot_product_attention call ran inside the context" in refusals[2]
+
+
 def _refused(ctx, parallelism: dict, mixed_precision: str = "no"):
     from torchrig import Accelerator
     from torchrig.errors import ConfigError
