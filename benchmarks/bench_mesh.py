@@ -21,6 +21,7 @@ B15  (GPU) ~1B Llama-style model, FSDP2 × TP (tp 2, dp_shard the rest) bf16 on 
      peak table); skipped without two CUDA GPUs.
 
     python benchmarks/bench_mesh.py [--only B13,B14,B15] [--trials 2] [--copies 2] [--rounds 6] [--steps 2]
+    python benchmarks/bench_mesh.py --cpu-smoke   # B15's code path (bf16) on 4 CPU ranks, not a measurement
 """
 
 from __future__ import annotations
@@ -259,15 +260,20 @@ def main() -> int:
                         help="mark the CPU rows as measured on a machine shared with other work")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="GPU peak (default: torchrig.throughput's table for the device, bf16)")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="run B15's code path (bf16 policies) on 4 CPU ranks with the small model: not a measurement")
     args = parser.parse_args()
+    if args.cpu_smoke:
+        return gpu_row(args, smoke=True) and 0
     wanted = {i.strip().upper() for i in args.only.split(",") if i.strip()}
     note = " (measured under load)" if args.loaded else ""
     ok = True
     for bench_id, sizes, what in (("B13", (1, 4), "TP"), ("B14", (2, 2), "FSDP2×TP")):
         if bench_id not in wanted:
             continue
-        print(f"{bench_id} {what} (dp_shard {sizes[0]} × tp {sizes[1]}), 4 CPU ranks (gloo), fp32, {args.trials} trials × {args.copies} copies per side × "
-              f"{args.rounds} rounds × {args.steps} steps{' — A/A control' if args.control else ''}")
+        print(f"{bench_id} {what} (dp_shard {sizes[0]} × tp {sizes[1]}), 4 CPU ranks (gloo), fp32, {args.trials} "
+              f"trials × {args.copies} copies per side × {args.rounds} rounds × {args.steps} steps"
+              f"{' — A/A control' if args.control else ''}")
         results = measure(CPU, sizes, args.batch, args.rounds, args.steps, False, args.trials, args.copies,
                           args.control, bf16=False)
         ok = report(bench_id, f"fsdp plugin {what} ÷ hand-written {what}, tokens/s (4 CPU ranks)", results, GOAL,
@@ -277,9 +283,14 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def gpu_row(args: argparse.Namespace) -> bool:
+def gpu_row(args: argparse.Namespace, smoke: bool = False) -> bool:
     what = "~1B Llama, FSDP2×TP bf16 ÷ hand-written (GPU); MFU"
     world = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if smoke:
+        results = measure(CPU, (2, 2), 2, 2, 1, False, 1, 1, False, bf16=True)
+        print(f"B15 CPU smoke: torchrig {results[0]['rig']:,.0f} tokens/s, hand-written {results[0]['hand']:,.0f}, "
+              f"{results[0]['flops']:.3e} FLOPs/token; B15 CPU smoke run finished (not a measurement)")
+        return True
     if world < 2:
         print(f"B15 skipped: needs two CUDA GPUs (tp 2), found {world}")
         emit("B15", what, "—", f"≥ {GPU_RATIO_GOAL}", None)

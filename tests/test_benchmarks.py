@@ -47,3 +47,7 @@ def test_mesh_benchmark_runs_both_cpu_rows_and_skips_the_gpu_row_cleanly():
     import torch
 
     assert ("skipped" in rows["B15"]) != (torch.cuda.device_count() >= 2), rows["B15"]
+    # the GPU row's own code path (bf16 policies on both sides) on CPU ranks
+    smoke = subprocess.run([sys.executable, str(BENCH / "bench_mesh.py"), "--cpu-smoke"], capture_output=True,
+                           text=True, timeout=600, env=ENV)
+    assert smoke.returncode == 0 and "B15 CPU smoke run finished" in smoke.stdout, smoke.stdout[-3000:] + smoke.stderr[-3000:]
