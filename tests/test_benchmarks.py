@@ -43,12 +43,29 @@ def test_fp8_benchmark_code_path_runs_on_the_cpu_and_skips_cleanly_without_a_cap
     assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
     for runner in ("torchrig bf16", "torchrig fp8", "hand-written fp8"):
         assert runner in smoke.stdout, smoke.stdout
-    assert "FLOPs/token = 6·N + 12·L·d·T" in smoke.stdout and "B13/B14 CPU smoke run finished" in smoke.stdout
-    table = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--quick", "--only", "B13,B14"],
+    assert "FLOPs/token = 6·N + 12·L·d·T" in smoke.stdout and "B16/B17 CPU smoke run finished" in smoke.stdout
+    table = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--quick", "--only", "B16,B17"],
                            capture_output=True, text=True, timeout=300, env=ENV)
     assert table.returncode == 0, table.stdout + table.stderr
-    rows = [line for line in table.stdout.splitlines() if line.startswith(("B13 ", "B14 "))]
+    rows = [line for line in table.stdout.splitlines() if line.startswith(("B16 ", "B17 "))]
     import torch
 
     capable = torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9)
     assert len(rows) == 2 and all(("skipped" in row) != capable for row in rows), rows
+
+
+@pytest.mark.multiprocess
+def test_mesh_benchmark_runs_both_cpu_rows_and_skips_the_gpu_row_cleanly():
+    table = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--quick", "--only", "B13"], capture_output=True,
+                           text=True, timeout=600, env=ENV)
+    rows = {line.split()[0]: line for line in table.stdout.splitlines() if line[:4] in ("B13 ", "B14 ", "B15 ")}
+    assert set(rows) == {"B13", "B14", "B15"}, table.stdout[-3000:] + table.stderr[-3000:]
+    assert "did not finish" not in table.stdout
+    assert "FSDP2×TP ÷ hand-written FSDP2×TP" in rows["B14"] and "TP ÷ hand-written TP" in rows["B13"]
+    import torch
+
+    assert ("skipped" in rows["B15"]) != (torch.cuda.device_count() >= 2), rows["B15"]
+    # the GPU row's own code path (bf16 policies on both sides) on CPU ranks
+    smoke = subprocess.run([sys.executable, str(BENCH / "bench_mesh.py"), "--cpu-smoke"], capture_output=True,
+                           text=True, timeout=600, env=ENV)
+    assert smoke.returncode == 0 and "B15 CPU smoke run finished" in smoke.stdout, smoke.stdout[-3000:] + smoke.stderr[-3000:]

@@ -90,9 +90,12 @@ def test_an_axis_the_strategy_does_not_declare_names_strategy_axis_and_alternati
     text = problems(host, config_file=run)
     assert "parallelism_config.tp_size" in text
     assert "the strategy 'ddp' does not build a tp axis (it declares dp_replicate); use strategy fsdp" in text
-    cp = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4,
-                                "parallelism_config": {"dp_shard_size": 2, "cp_size": 2}})
-    assert "no installed strategy declares it" in problems(host, config_file=cp)
+    cp = config_file(tmp_path, {"strategy": "ddp", "num_processes": 4,
+                                "parallelism_config": {"dp_replicate_size": 2, "cp_size": 2}})
+    assert "does not build a cp axis (it declares dp_replicate); use strategy fsdp" in problems(host, config_file=cp)
+    # fsdp builds cp (FSDP2 then shards over dp_shard x cp)
+    resolve(host, config_file=config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4,
+                                                     "parallelism_config": {"dp_shard_size": 2, "cp_size": 2}}))
     # pure data parallelism under ddp is its own axis: accepted
     resolve(host, config_file=config_file(tmp_path, {"strategy": "ddp", "num_processes": 4,
                                                      "parallelism_config": {"dp_replicate_size": 4}}))
@@ -144,7 +147,7 @@ def test_accelerate_file_keys_and_names_map_onto_the_section(host, tmp_path):
 
     assert torchrig.ParallelismConfig is ParallelismConfig
     assert torchrig.utils.TorchTensorParallelPlugin is TorchTensorParallelPlugin
-    with pytest.raises(ImportError, match="context parallelism is not available yet"):
+    with pytest.raises(ImportError, match="context-parallel handler class is not provided"):
         from torchrig.utils import TorchContextParallelConfig  # noqa: F401
 
 
@@ -169,3 +172,26 @@ def test_unknown_tp_style_is_refused_with_the_styles(host, tmp_path):
                                  "parallelism_config": {"tp_size": 2, "tp_plan": {"head": "columnwise"}}})
     text = problems(host, config_file=run)
     assert "parallelism_config.tp_plan" in text and "unknown style 'columnwise'" in text and "colwise" in text
+
+
+def test_context_and_async_tensor_parallel_settings_are_checked_before_launch(host, tmp_path):
+    run = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4, "dataloader_config": {"dispatch_batches": True},
+                                 "parallelism_config": {"dp_shard_size": 2, "cp_size": 2}})
+    text = problems(host, config_file=run)
+    assert "dataloader_config.dispatch_batches" in text and "cp_size=2" in text
+    alone = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4,
+                                   "parallelism_config": {"dp_shard_size": 4, "async_tp": True}})
+    assert "parallelism_config.async_tp" in problems(host, config_file=alone)
+    assert "has no effect with tp_size 1" in problems(host, config_file=alone)
+    on_cpu = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4, "use_cpu": True,
+                                    "parallelism_config": {"dp_shard_size": 2, "tp_size": 2, "async_tp": True}})
+    text = problems(host, config_file=on_cpu)
+    assert "parallelism_config.async_tp" in text and "needs CUDA devices" in text and "use_cpu" in text
+    bad = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4,
+                                 "parallelism_config": {"cp_size": 4, "cp_comm_strategy": "ring"}})
+    assert "parallelism_config.cp_comm_strategy" in problems(host, config_file=bad)
+    good = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4,
+                                  "parallelism_config": {"cp_size": 2, "tp_size": 2, "cp_comm_strategy": "AllToAll",
+                                                         "cp_load_balance": False}})
+    options = resolve(host, config_file=good).section_of(ParallelismConfig)
+    assert (options.cp_comm_strategy, options.cp_load_balance) == ("alltoall", False)

@@ -32,6 +32,7 @@ from torchrig.compile import compile_model
 from torchrig.compile_check import CompileVerifier
 from torchrig.config.options import PreemptionConfig, ProfileKwargs, ThroughputMonitorConfig
 from torchrig.config.resolve import ResolvedConfig, Schema
+from torchrig.context_parallel import context_parallel
 from torchrig.conversion import convert_model
 from torchrig.data import standalone as standalone_data
 from torchrig.defaults import training as training_defaults
@@ -506,8 +507,26 @@ class Accelerator(ProcessControl):
     @property
     def torch_device_mesh(self) -> Any:
         """The run's ``DeviceMesh`` when the strategy built one (``parallelism_config``; named axes
-        ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``), else None (Accelerate's name)."""
+        ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``), else None (Accelerate's name)."""
         return self.strategy_capabilities.device_mesh
+
+    @property
+    def device_submeshes(self) -> Mapping[str, Any]:
+        """Named sub-meshes of ``torch_device_mesh``: each axis and the flattened ``dp``,
+        ``dp_shard_cp``, ``dp_cp`` (torch warns when those are sliced from the root mesh)."""
+        return self.strategy_capabilities.device_submeshes
+
+    def maybe_context_parallel(self, buffers: Sequence[Any] | None = None, buffer_seq_dims: Sequence[int] | None = None,
+                               no_restore_buffers: Sequence[Any] | None = None) -> Any:
+        """Context parallel around forward and backward (Accelerate's name): shards ``buffers`` over the
+        ``cp`` axis along ``buffer_seq_dims`` and runs SDPA as ring attention; a no-op without a ``cp``
+        axis. Refuses what it would compute wrongly (:mod:`torchrig.context_parallel`)."""
+        cp = self.device_submeshes.get("cp")
+        if cp is None or cp.size() == 1:
+            return contextlib.nullcontext()
+        options = self.config.section("parallelism_config")
+        return context_parallel(cp, buffers or [], buffer_seq_dims or [], no_restore_buffers or [],
+                                comm_strategy=options.cp_comm_strategy, load_balance=options.cp_load_balance)
 
     @property
     def strategy_capabilities(self) -> Capabilities:
@@ -570,9 +589,10 @@ class Accelerator(ProcessControl):
         assert self._run.collectives is not None
         return self._run.collectives
 
-    def gather(self, tensor: Any) -> Any:
-        """Concatenate every process's tensors along dim 0 (nested structures, uneven sizes)."""
-        return self._collectives.gather(tensor)
+    def gather(self, tensor: Any, *, over: str = "world") -> Any:
+        """Concatenate every process's tensors along dim 0 (nested structures, uneven sizes).
+        ``over="data"``: only the data-parallel ranks (one per tensor/context-parallel group)."""
+        return self._collectives_over(over).gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather for evaluation: on the last batch of a prepared dataloader, drop the samples
@@ -594,8 +614,17 @@ class Accelerator(ProcessControl):
             return self._collectives
         return Collectives(world_size=caps.data_parallel_size or 1, group=caps.data_parallel_group)
 
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        result = self._collectives.reduce(tensor, reduction)
+    def _collectives_over(self, over: str) -> Any:
+        if over == "world":
+            return self._collectives
+        if over == "data":
+            return self._data_parallel_collectives()
+        raise ValueError(f"over={over!r}: choose 'world' (every process) or 'data' (the data-parallel ranks)")
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0, *, over: str = "world") -> Any:
+        """Reduce across every process (``over="data"``: the data-parallel ranks only, so a ``sum``
+        counts each sample once under tensor/context parallel)."""
+        result = self._collectives_over(over).reduce(tensor, reduction)
         if scale != 1.0:
             result = recursively_apply(lambda t: t * scale, result)
         return result

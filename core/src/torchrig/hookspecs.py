@@ -246,7 +246,9 @@ def torchrig_strategy_capabilities(run: RunContext) -> Capabilities | None:
     twice. DDP: replicated parameters; FSDP2: owns precision (its MixedPrecisionPolicy),
     sharded; DeepSpeed: owns accumulation and precision; an N-D mesh (``parallelism_config``): the
     data-parallel size and rank of its DP sub-mesh (loaders shard by them, not by the world) and
-    the mesh itself in ``device_mesh`` (``accelerator.torch_device_mesh``).
+    the mesh itself in ``device_mesh`` (``accelerator.torch_device_mesh``), its named and flattened
+    sub-meshes in ``device_submeshes`` (``dp``, ``dp_shard_cp``, ``dp_cp``, each axis; a ``cp`` entry
+    is what ``accelerator.maybe_context_parallel`` shards over).
 
     - phase: preparation, once before the first model is prepared.
     - ranks: every worker. kind: firstresult (the selected strategy answers).

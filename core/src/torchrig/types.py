@@ -76,9 +76,12 @@ class Capabilities:
     data_parallel_size: int | None = None
     data_parallel_rank: int | None = None
     #: The run's ``torch.distributed.device_mesh.DeviceMesh`` when the strategy built one (named
-    #: axes: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``); ``accelerator.torch_device_mesh`` returns it.
+    #: axes: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``); ``accelerator.torch_device_mesh`` returns it.
     device_mesh: Any = None
-    #: When some ranks share batches (tensor parallel, pipeline stages): the process group of the data-parallel
+    #: Named sub-meshes of ``device_mesh``, flattened ones included (``dp``, ``dp_shard_cp``,
+    #: ``dp_cp``): torch deprecates slicing a flattened axis from the root, so they are kept here.
+    device_submeshes: Mapping[str, Any] = attrs.field(factory=dict)
+    #: When some ranks share batches (tensor parallel, context parallel, pipeline stages): the process group of the data-parallel
     #: ranks this rank belongs to, one rank per data-parallel rank, in data-parallel order.
     #: ``gather_for_metrics`` gathers over it, so every sample is counted once. None: the world.
     data_parallel_group: Any = None

@@ -79,9 +79,11 @@ def _train(ctx, parallelism: dict, dp_size: int, mixed_precision: str = "no"):
         losses = _loop(accelerator, model, optimizer, loader, reduced)
         params = {name: _full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
         kinds = sorted({type(p).__name__ for p in model.parameters()})
+        head = accelerator.unwrap_model(model).head.weight
         return {"losses": losses, "params": params, "dp": (caps.data_parallel_size, caps.data_parallel_rank),
                 "autocast": accelerator.step_plan.owners["autocast"], "reduced": reduced,
                 "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), "kinds": kinds,
+                "head_local_rows": head.to_local().shape[0] if hasattr(head, "to_local") else None,
                 "optimizer_params": [type(p).__name__ for group in optimizer.param_groups for p in group["params"]]}
 
 
@@ -116,6 +118,10 @@ LAYOUTS = {
     # a 3-D mesh: replicas x (shards of 1) x tp
     "replicate_x_tp": ({"dp_replicate_size": 2, "tp_size": 2, "tp_plan": TP_PLAN}, 2,
                        {"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
+    # cp axes (no context-parallel attention on CPU: the cp ranks compute the whole sequence each, so
+    # these check that FSDP2 shards over dp_shard_cp — 2-D with the replicas — and reduces correctly)
+    "fsdp2xcp": ({"dp_shard_size": 2, "cp_size": 2}, 2, {"dp_shard": 2, "cp": 2}),
+    "hsdp_x_cp": ({"dp_replicate_size": 2, "cp_size": 2}, 2, {"dp_replicate": 2, "dp_shard": 1, "cp": 2}),
 }
 
 
@@ -131,6 +137,10 @@ def test_mesh_layout_trains_like_one_process(pool, layout):
         assert set(result["optimizer_params"]) == {"DTensor"} or layout == "tp4"
         if layout != "tp4":  # no reduce-scatter on accumulation micro-steps, one on the step that syncs
             assert result["reduced"] == [False, True] * STEPS
+        if layout == "fsdp2xcp":  # sharded over dp_shard x cp: 4 ranks, a quarter of the rows each
+            assert result["head_local_rows"] == VOCAB // 4
+        if layout == "hsdp_x_cp":  # replicated over dp_replicate, sharded over dp_shard_cp (= cp, 2 ranks)
+            assert result["head_local_rows"] == VOCAB // 2
     # each step's loss: the mean over the data-parallel ranks = the reference's loss on the whole batch
     for step, expected in enumerate(reference["losses"]):
         mean = sum(results[dp * tp_size]["losses"][step] for dp in range(dp_size)) / dp_size
@@ -176,6 +186,105 @@ def test_gather_for_metrics_counts_every_sample_once_across_tp_ranks(pool, layou
     for seen, objects in pool.run(_gather_eval, parallelism, timeout=TIMEOUT):
         assert sorted(seen) == list(range(11))
         assert len(objects) == dp_size  # one object per data-parallel rank
+
+
+def _submeshes(ctx, parallelism: dict):
+    """The named sub-meshes (as the group ranks each spans), ``gather``/``reduce`` over the world and over
+    the data-parallel ranks, and ``maybe_context_parallel`` on this CPU mesh."""
+    import torch.distributed as dist
+    from torchrig import Accelerator
+    from torchrig.errors import ConfigError
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism)
+        named = {name: (tuple(mesh.mesh_dim_names), sorted(dist.get_process_group_ranks(mesh.get_group())))
+                 for name, mesh in accelerator.device_submeshes.items()}
+        root_dp = accelerator.torch_device_mesh["dp"].size()  # torch's own slicing finds the flattened axis too
+        mine = torch.tensor([ctx.rank])
+        collected = {"world": accelerator.gather(mine).tolist(), "data": accelerator.gather(mine, over="data").tolist(),
+                     "sum_world": int(accelerator.reduce(mine, "sum")),
+                     "sum_data": int(accelerator.reduce(mine.clone(), "sum", over="data"))}
+        try:
+            accelerator.gather(mine, over="tp")
+        except ValueError as exc:
+            collected["bad_over"] = str(exc)
+        ids = torch.arange(16).reshape(1, 16)
+        try:
+            with accelerator.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1]):
+                refused = None
+        except ConfigError as exc:
+            refused = str(exc)
+        return named, root_dp, collected, refused, ids.shape
+
+
+def test_named_submeshes_data_collectives_and_context_parallel_refused_on_cpu(pool):
+    # dp_replicate 2 x cp 2: dp = the replicas, dp_shard_cp = the cp pair, dp_cp = everyone
+    for rank, (named, root_dp, collected, refused, shape) in enumerate(
+            pool.run(_submeshes, {"dp_replicate_size": 2, "cp_size": 2}, timeout=TIMEOUT)):
+        pair, peers = sorted({rank, rank ^ 1}), sorted({rank % 2, rank % 2 + 2})
+        assert named["dp"] == (("dp",), peers) and named["cp"] == (("cp",), pair)
+        assert named["dp_shard_cp"] == (("dp_shard_cp",), pair) and named["dp_cp"] == (("dp_cp",), [0, 1, 2, 3])
+        assert named["dp_replicate"] == (("dp_replicate",), peers) and root_dp == 2
+        assert collected["world"] == [0, 1, 2, 3] and collected["sum_world"] == 6
+        assert collected["data"] == peers and collected["sum_data"] == sum(peers)
+        assert "over='tp'" in collected["bad_over"]
+        assert "parallelism_config.cp_size" in refused and "CUDA devices only" in refused
+        assert tuple(shape) == (1, 16)  # refused before anything was sharded
+    # dp_shard 2 x tp 2: no cp axis, so maybe_context_parallel is a no-op
+    for rank, (named, _, collected, refused, _) in enumerate(
+            pool.run(_submeshes, {"dp_shard_size": 2, "tp_size": 2, "tp_plan": TP_PLAN}, timeout=TIMEOUT)):
+        peers = sorted({rank % 2, rank % 2 + 2})
+        assert named["dp"] == (("dp",), peers) and named["dp_shard_cp"] == (("dp_shard_cp",), peers)
+        assert named["tp"] == (("tp",), sorted({rank, rank ^ 1})) and "cp" not in named
+        assert collected["data"] == peers and refused is None
+
+
+def _ring_attention_on_cpu(ctx):
+    """torch's context parallel for real on the cp sub-mesh, up to the attention kernel (which CPUs lack):
+    buffers sharded head-tail and restored, the guard installed over torch's SDPA and removed, refusals
+    raised inside the real context, and leaving it without an SDPA call refused."""
+    from torchrig import Accelerator
+    from torchrig.context_parallel import AttentionGuard, ring_attention
+    from torchrig.errors import ConfigError
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config={"dp_shard_size": 2, "cp_size": 2})
+        cp = accelerator.device_submeshes["cp"]
+        ids = torch.arange(16).reshape(1, 16)
+        seen, refusals, kept_lengths = {}, [], []
+        q = torch.randn(1, 2, 8, 4)
+        for load_balance in (True, False):
+            kept = torch.arange(16).reshape(1, 16)
+            try:
+                with ring_attention(cp, [ids, kept], [1, 1], [kept], comm_strategy="allgather",
+                                    load_balance=load_balance):
+                    seen[load_balance] = ids.tolist()[0]
+                    assert isinstance(torch.nn.functional.scaled_dot_product_attention, AttentionGuard)
+                    torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+            except ConfigError as exc:
+                refusals.append(str(exc))
+            kept_lengths.append(kept.shape[1])
+        try:
+            with ring_attention(cp, [ids], [1], [], comm_strategy="alltoall", load_balance=False):
+                ids.float().softmax(-1)  # "attention" that never calls SDPA
+        except ConfigError as exc:
+            refusals.append(str(exc))
+        restored = torch.nn.functional.scaled_dot_product_attention is sdpa
+        return seen, ids.tolist()[0], kept_lengths, refusals, restored, cp.get_local_rank()
+
+
+def test_ring_attention_shards_restores_and_refuses_around_torchs_context_parallel(pool):
+    for seen, ids, kept, refusals, restored, cp_rank in pool.run(_ring_attention_on_cpu, timeout=TIMEOUT):
+        # head-tail: 4 chunks of 4, cp rank 0 holds the first and last, rank 1 the middle two
+        chunks = [list(range(i, i + 4)) for i in range(0, 16, 4)]
+        expected = chunks[0] + chunks[3] if cp_rank == 0 else chunks[1] + chunks[2]
+        assert seen[True] == expected
+        assert seen[False] == list(range(8 * cp_rank, 8 * cp_rank + 8))  # contiguous halves
+        assert ids == list(range(16)) and kept == [8, 8]  # restored, except the no_restore buffer
+        assert len(refusals) == 3 and restored
+        assert all("attn_mask: an explicit attention mask" in text for text in refusals[:2])
+        assert "no torch.nn.functional.scaled_dot_product_attention call ran inside the context" in refusals[2]
 
 
 def _refused(ctx, parallelism: dict, mixed_precision: str = "no"):

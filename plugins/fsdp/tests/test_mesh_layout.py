@@ -21,17 +21,20 @@ from mesh_model import TP_PLAN, TP_SP_PLAN, TinyLM  # noqa: E402
     ({"tp_size": 4}, 4, ((1, 4), ("dp_shard", "tp"))),
     ({"dp_replicate_size": 2, "dp_shard_size": -1}, 8, ((2, 4), ("dp_replicate", "dp_shard"))),
     ({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, 8, ((2, 2, 2), ("dp_replicate", "dp_shard", "tp"))),
+    # cp sits between the data axes and tp (torchtitan's order: tp innermost, cp next)
+    ({"dp_shard_size": 2, "cp_size": 2, "tp_size": 2}, 8, ((2, 2, 2), ("dp_shard", "cp", "tp"))),
+    ({"dp_replicate_size": 2, "cp_size": -1}, 8, ((2, 1, 4), ("dp_replicate", "dp_shard", "cp"))),
 ])
 def test_the_mesh_has_dp_shard_and_every_axis_larger_than_one(sizes, world, layout):
     assert mesh_layout(ParallelismConfig(**sizes), world) == layout
 
 
-def test_a_layout_that_does_not_fit_or_needs_cp_or_pp_names_the_keys():
+def test_a_layout_that_does_not_fit_names_the_keys():
     with pytest.raises(ConfigError) as excinfo:
         mesh_layout(ParallelismConfig(tp_size=2, cp_size=2, pp_size=2), 4)
     text = "\n".join(excinfo.value.problems)
     assert "multiply to 8 (cp_size=2, tp_size=2, pp_size=2) but the world size is 4" in text
-    assert "parallelism_config.cp_size" in text and "parallelism_config.pp_size" in text
+    assert "not available" not in text  # every axis is built now: only the product is wrong
 
 
 def test_plans_resolve_globs_to_every_matching_module_with_torch_styles():
@@ -83,3 +86,12 @@ def test_a_model_declaring_its_own_plan_is_found():
     assert sorted(resolve_plan(head, plan, False, "plan")) == [
         "model.blocks.0.mlp.down", "model.blocks.0.mlp.up", "model.blocks.1.mlp.down", "model.blocks.1.mlp.up"]
 
+
+
+def test_async_tp_names_every_reason_it_cannot_run():
+    from torchrig_fsdp.async_tp import problems
+
+    assert problems("cuda", 2, compiled=True) == []
+    found = problems("cpu", 1, compiled=False)
+    assert len(found) == 3 and all(p.startswith("parallelism_config.async_tp: ") for p in found)
+    assert "needs a tp axis" in found[0] and "this run is on cpu" in found[1] and "dynamo_config.backend" in found[2]

@@ -49,12 +49,12 @@ DEEPSPEED_INTERNAL = Refused(
     "the deepspeed strategy's prepared objects: the model, optimizer and scheduler accelerator.prepare() returns "
     "(docs/deepspeed.md)")
 CONTEXT_PARALLEL = Refused(
-    "context parallelism is not available yet (it runs on GPUs only: the CPU attention op has no sharding rule)",
-    "ParallelismConfig(dp_replicate_size=, dp_shard_size=, tp_size=) for data and tensor parallelism "
-    "(docs/parallelism.md)")
+    "Accelerate's context-parallel handler class is not provided (its settings are parallelism_config keys)",
+    "ParallelismConfig(cp_size=N, cp_comm_strategy='allgather'|'alltoall', cp_load_balance=True) and "
+    "accelerator.maybe_context_parallel(...) (GPU only; docs/parallelism.md)")
 ASYNC_TP = Refused(
-    "Accelerate's tensor-parallel handler (async TP) is not available: async TP runs on GPUs only",
-    "ParallelismConfig(tp_size=N, tp_plan=...) for tensor parallelism (docs/parallelism.md)")
+    "Accelerate's tensor-parallel handler class is not provided (async TP is a parallelism_config key)",
+    "ParallelismConfig(tp_size=N, tp_plan=..., async_tp=True) (GPU and torch.compile only; docs/parallelism.md)")
 DEEPSPEED_SEQUENCE_PARALLEL = Refused("DeepSpeed-Ulysses/ALST sequence parallelism is not supported",
                                       "FullyShardedDataParallelPlugin or DeepSpeedPlugin without sequence parallelism")
 CHECKPOINT_INTERNAL = Refused(

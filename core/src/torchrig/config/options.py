@@ -360,6 +360,14 @@ class ParallelismConfig:
         validator=attrs.validators.optional(at_least(1)), flag="--pp_microbatches")
     pp_loss_fn: Any = option(None, help="pp_loss_fn(output, target) -> loss of one micro-batch, computed on the last "
                              "stage; default: cross-entropy over the last dimension (Python only)", python_only=True)
+    cp_comm_strategy: str = option("allgather", help="how ring attention exchanges key/value chunks over cp: "
+                                   "allgather or alltoall (Accelerate's TorchContextParallelConfig.cp_comm_strategy)",
+                                   normalize=_lower, choices=("allgather", "alltoall"))
+    cp_load_balance: bool = option(True, help="reorder the sequence head-tail over the cp ranks so causal attention "
+                                   "costs each rank the same (needs is_causal attention and a length divisible by "
+                                   "2 x cp_size)")
+    async_tp: bool = option(False, help="asynchronous tensor parallel: overlap tp communication with the matmuls "
+                            "(torch's micro-pipeline TP; CUDA and torch.compile only)")
 
     @property
     def sizes(self) -> dict[str, int]:

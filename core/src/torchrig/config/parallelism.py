@@ -71,7 +71,7 @@ def parallelism_problems(
     checked: dict[str, int] = {axis: int(size) for axis, size in sizes.items()}  # type: ignore[arg-type]
     problems = []
     if checked["tp"] == 1:  # nothing would apply them: refused rather than ignored
-        for key in ("tp_plan", "loss_parallel"):
+        for key in ("tp_plan", "loss_parallel", "async_tp"):
             if values.get(f"{SECTION}.{key}"):
                 problems.append(Problem(f"{SECTION}.{key}", "has no effect with tp_size 1; set "
                                         f"{SECTION}.tp_size (or remove {key})", where(f"{SECTION}.{key}")))

@@ -47,7 +47,7 @@ class FSDPManifest(PluginManifest):
     install_hint = "torchrig[fsdp]"
     requires = ()  # torch is a dependency of torchrig itself
     aliases = ("FSDP",)
-    parallelism_axes = ("pp", "dp_replicate", "dp_shard", "tp")  # the N-D mesh: torchrig_fsdp.mesh
+    parallelism_axes = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the N-D mesh: torchrig_fsdp.mesh
     distributed_type = "FSDP"
     state_attribute = "fsdp_plugin"
     exports = {
@@ -128,10 +128,17 @@ def fsdp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
             "fp16 with tensor parallel alone (no dp_shard/dp_replicate axis) is not supported: the loss scaler cannot "
             "unscale plain and tensor-parallel gradients together; use bf16, or add a data axis "
             "(parallelism_config.dp_shard_size)")))
-    if get("dataloader_config.dispatch_batches") and tp != 1:
+    shared = [f"{axis}_size={get(f'parallelism_config.{axis}_size', 1)}" for axis in ("cp", "tp")
+              if get(f"parallelism_config.{axis}_size", 1) != 1]
+    if get("dataloader_config.dispatch_batches") and shared:
         problems.append(ConfigProblem("dataloader_config.dispatch_batches", (
-            f"the main process would send batches to every rank, but with tp_size={tp} the ranks of one tensor-parallel "
-            "group must get the same batch; set dispatch_batches: false (each data-parallel rank reads its own)")))
+            f"the main process would send batches to every rank, but with {' and '.join(shared)} the ranks of one "
+            "tensor/context-parallel group must get the same batch; set dispatch_batches: false (each data-parallel "
+            "rank reads its own)")))
+    if get("parallelism_config.async_tp") and (get("use_cpu") or get("device") == "cpu"):
+        problems.append(ConfigProblem("parallelism_config.async_tp", (
+            "needs CUDA devices (its overlap uses symmetric-memory kernels torch has for CUDA only) but this run uses "
+            "the CPU (use_cpu/device); set async_tp: false")))
     if get(f"{SECTION}.activation_checkpointing") and get(f"{SECTION}.auto_wrap_policy") == "NO_WRAP":
         problems.append(ConfigProblem(f"{SECTION}.activation_checkpointing", (
             "checkpoints each wrapped block, but auto_wrap_policy is NO_WRAP (no blocks); use TRANSFORMER_BASED_WRAP "

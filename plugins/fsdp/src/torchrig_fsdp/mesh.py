@@ -2,7 +2,8 @@
 
 Order (as torchtitan): tensor parallel first (``parallelize_module`` over the ``tp`` sub-mesh, or the
 user's ``parallelize_fn(model, mesh)``), then ``fully_shard`` over the data mesh — ``dp_shard``, or
-``("dp_replicate", "dp_shard")`` for HSDP. FSDP2-only runs keep the 1-D/2-D mesh ``sharding_strategy``
+``("dp_replicate", "dp_shard")`` for HSDP; ``dp_shard_cp`` in place of ``dp_shard`` with a ``cp`` axis
+(:mod:`torchrig_fsdp.submeshes`). FSDP2-only runs keep the 1-D/2-D mesh ``sharding_strategy``
 asks for (:func:`torchrig_fsdp.strategy.mesh_shape`). docs/parallelism.md.
 """
 
@@ -18,8 +19,10 @@ from torchrig.config.parallelism import infer_sizes, key_of
 from torchrig.errors import ConfigError
 from torchrig.run import RunContext
 
+from torchrig_fsdp import submeshes
+
 #: Mesh axes the strategy builds, outermost first (docs/parallelism.md: why this order).
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DATA_AXES = ("dp_replicate", "dp_shard")
 
 
@@ -29,12 +32,9 @@ def parallelism(run: RunContext) -> ParallelismConfig:
 
 def mesh_layout(config: ParallelismConfig, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Shape and names of the mesh for ``config`` at ``world_size``: ``dp_shard`` always (the axis
-    FSDP2 shards over, size 1 when unused), ``pp``, ``dp_replicate`` and ``tp`` when larger than 1.
+    FSDP2 shards over, size 1 when unused), ``pp``, ``dp_replicate``, ``cp`` and ``tp`` when larger than 1.
     Raises :class:`ConfigError` naming the keys when the sizes do not fit the world."""
     sizes, problems = infer_sizes(config.sizes, world_size)
-    if sizes["cp"] != 1:
-        problems.append(("cp", f"cp_size={sizes['cp']}: the fsdp strategy builds {', '.join(AXES)} only "
-                               "(context parallelism is not available yet)"))
     if problems:
         raise ConfigError([f"{key_of(axis)}: {message}" for axis, message in problems])
     names = tuple(axis for axis in AXES if axis == "dp_shard" or sizes[axis] > 1)
@@ -42,16 +42,13 @@ def mesh_layout(config: ParallelismConfig, world_size: int) -> tuple[tuple[int, 
 
 
 def data_mesh(mesh: Any) -> Any:
-    """The sub-mesh ``fully_shard`` shards over (2-D: HSDP, replicate across, shard within), or None
-    when there is no data parallelism (tensor parallel alone)."""
-    names = tuple(name for name in DATA_AXES if name in mesh.mesh_dim_names)
-    if all(mesh[name].size() == 1 for name in names):
-        return None
-    return mesh[names] if len(names) > 1 else mesh[names[0]]
+    """The sub-mesh ``fully_shard`` shards over (2-D: HSDP, replicate across, shard within; with a
+    ``cp`` axis ``dp_shard_cp``), or None when there is nothing to shard over (tensor parallel alone)."""
+    return submeshes.shard_mesh(mesh)
 
 
 def data_parallel_layout(mesh: Any) -> tuple[int, int]:
-    """(size, rank) of data parallelism: ranks of one ``tp`` group (and of one pipeline) get the same batches."""
+    """(size, rank) of data parallelism: the ranks of one ``tp``/``cp`` group (and of one pipeline) get the same batches."""
     if mesh is None:
         return 1, 0
     size, index = 1, 0
@@ -62,24 +59,21 @@ def data_parallel_layout(mesh: Any) -> tuple[int, int]:
     return size, index
 
 
-def data_parallel_group(mesh: Any) -> Any:
-    """The process group of this rank's data-parallel peers (same ``tp`` and ``pp`` coordinates), or
-    None when every rank is a data-parallel rank (no ``tp`` nor ``pp`` axis). Collective: call on every rank."""
-    names = mesh.mesh_dim_names or ()
-    if "tp" not in names and "pp" not in names:
+def data_parallel_group(mesh: Any, named: dict[str, Any]) -> Any:
+    """The process group of this rank's data-parallel peers (same ``pp``, ``tp`` and ``cp`` coordinates), or
+    None when every rank is a data-parallel rank (the mesh has data axes only). ``named``:
+    :func:`torchrig_fsdp.submeshes.named_meshes` of ``mesh``."""
+    if all(name in DATA_AXES for name in mesh.mesh_dim_names or ()):
         return None
-    data = tuple(name for name in DATA_AXES if name in names)
-    if len(data) == 1:
-        return mesh[data[0]].get_group()
-    return mesh[data]._flatten("dp").get_group()  # HSDP x TP: both data axes as one group
-
-
-def tp_mesh(mesh: Any) -> Any:
-    return mesh["tp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else None
+    return named["dp"].get_group()
 
 
 def pp_mesh(mesh: Any) -> Any:
     return mesh["pp"] if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else None
+
+
+def tp_mesh(mesh: Any) -> Any:
+    return mesh["tp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else None
 
 
 # -- tensor parallel ------------------------------------------------------------------------------

@@ -35,9 +35,9 @@ from torchrig.run import RunContext
 from torchrig.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_loss_scaling
 from torchrig.types import Capabilities, PreparedModel, StashKey
 
+from torchrig_fsdp import async_tp, pipeline, submeshes
 from torchrig_fsdp import checkpoint as fsdp_checkpoint
 from torchrig_fsdp import mesh as nd
-from torchrig_fsdp import pipeline
 from torchrig_fsdp.manifest import HYBRID, SECTION
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
@@ -45,8 +45,10 @@ logger = get_logger(__name__)
 
 #: The device mesh of this run (built in ``torchrig_configure``; ``None`` with one process).
 MESH = StashKey[Any]("fsdp.mesh")
-#: The process group of this rank's data-parallel peers when the mesh has a ``tp`` axis (else None).
+#: The process group of this rank's data-parallel peers when the mesh has a ``tp`` or ``cp`` axis (else None).
 DP_GROUP = StashKey[Any]("fsdp.dp_group")
+#: The mesh's named sub-meshes (``dp``, ``dp_shard_cp``, ``dp_cp``, each axis): torchrig_fsdp.submeshes.
+SUBMESHES = StashKey[Any]("fsdp.submeshes")
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
@@ -135,8 +137,11 @@ class FSDPStrategy:
                                       cluster.local_world_size)
         if "pp" in names:
             pipeline.check(nd.parallelism(run), options)
-        run.stash[MESH] = init_device_mesh(run.device.device.type, shape, mesh_dim_names=names)
-        run.stash[DP_GROUP] = nd.data_parallel_group(run.stash[MESH])
+        mesh = run.stash[MESH] = init_device_mesh(run.device.device.type, shape, mesh_dim_names=names)
+        named = run.stash[SUBMESHES] = (submeshes.named_meshes(mesh) if nd.parallelism(run).enabled
+                                        else {name: mesh[name] for name in names})
+        run.stash[DP_GROUP] = nd.data_parallel_group(mesh, named)
+        async_tp.enable(run, named.get("tp"))
         _explain_no_ops(options)
 
     @hookimpl
@@ -152,7 +157,8 @@ class FSDPStrategy:
         # the precision plugin's autocast applies then.
         owns = sharded and (not nd.parallelism(run).enabled or nd.data_mesh(mesh) is not None)
         return Capabilities(owns_precision=owns, fully_shard_parameters=owns, data_parallel_size=size,
-                            data_parallel_rank=rank, device_mesh=mesh, data_parallel_group=run.stash.get(DP_GROUP))
+                            data_parallel_rank=rank, device_mesh=mesh, data_parallel_group=run.stash.get(DP_GROUP),
+                            device_submeshes=run.stash.get(SUBMESHES, {}))
 
     # -- preparation -------------------------------------------------------------------------
 
