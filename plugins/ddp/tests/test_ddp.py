@@ -5,45 +5,47 @@ from __future__ import annotations
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.effects import assert_collectives
 
 pytestmark = pytest.mark.multiprocess
 
 
-def _accumulation_comm(ctx, micro_steps):
-    """Count, per backward, whether DDP's communication hook fired."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+def _accumulation_comm(ctx, micro_steps, width, bucket_cap_mb):
+    """The collectives each micro-step issues (counted from the c10d ops, DDP's C++ reducer included)."""
     from torchrig import Accelerator
+    from torchrig.testing.effects import count_collectives
+    from torchrig_ddp.options import DistributedDataParallelKwargs
 
     with rank_environment(ctx.rank, ctx.world_size):
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=micro_steps)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=micro_steps,
+                                  kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=bucket_cap_mb)])
+        model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                    torch.nn.ReLU(), torch.nn.Linear(width, 4))
         model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
-        calls = []
-
-        def counting_allreduce(state, bucket):
-            calls.append(1)
-            return default_hooks.allreduce_hook(state, bucket)
-
-        model.register_comm_hook(None, counting_allreduce)
         per_backward = []
-        for cycle in range(2):
+        for cycle in range(3):
             for micro in range(micro_steps):
-                before = len(calls)
-                with accelerator.accumulate(model):
-                    x = torch.randn(8, 256)
+                with count_collectives() as counts, accelerator.accumulate(model):
+                    x = torch.randn(8, width)
                     accelerator.backward(model(x).pow(2).mean())
                     optimizer.step()
                     optimizer.zero_grad()
-                per_backward.append(len(calls) - before)
+                per_backward.append(counts)
         return accelerator.strategy, per_backward
 
 
-def test_accumulation_communicates_only_on_the_optimizer_step(gloo_pool):
-    for strategy, per_backward in gloo_pool.run(_accumulation_comm, 4, timeout=120):
+# 25 MiB holds the whole model: one bucket. 1 MiB splits the 2 MiB model once DDP rebuilt its buckets in
+# the order gradients arrived (at the first synchronized forward after the first synchronized step).
+@pytest.mark.parametrize(("width", "bucket_cap_mb", "buckets"), [(128, 25, 1), (512, 1, 2)])
+def test_accumulation_all_reduces_each_bucket_once_per_optimizer_step_and_never_on_micro_steps(
+        gloo_pool, width, bucket_cap_mb, buckets):
+    for strategy, per_backward in gloo_pool.run(_accumulation_comm, 4, width, bucket_cap_mb, timeout=120):
         assert strategy == "ddp"  # the default for two processes
-        micro = per_backward[:3] + per_backward[4:7]
-        assert micro == [0] * 6, per_backward  # no gradient communication on the micro-steps
-        assert per_backward[3] >= 1 and per_backward[7] == per_backward[3], per_backward  # one round of buckets
+        for index, counts in enumerate(per_backward):
+            if index % 4 != 3:  # a micro-step: no gradient communication at all
+                assert_collectives(counts, all_reduce=0, reduce_scatter=0, all_gather=0)
+        assert_collectives(per_backward[3], all_reduce=1, total=1)  # before the rebuild: one bucket
+        assert_collectives(per_backward[11], all_reduce=buckets, total=buckets)
 
 
 def _gather_for_metrics(ctx):
