@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
-from torchrig.testing.effects import assert_collectives
+from torchrig.testing.effects import assert_collectives, assert_compiled
 
 pytestmark = pytest.mark.multiprocess
 
@@ -164,3 +164,71 @@ def _timeout_for_later_groups(ctx):
 
 def test_the_configured_timeout_applies_to_groups_created_later(gloo_pool):
     assert gloo_pool.run(_timeout_for_later_groups, timeout=120) == [True, True]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _compiled_under_ddp(ctx, backend, regional):
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+    from torchrig import Accelerator
+    from torchrig.config.options import TorchDynamoPlugin
+    from torchrig.testing.effects import count_collectives, count_compilation
+
+    torch._dynamo.reset()
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend=backend, use_regional_compilation=regional))
+        torch.manual_seed(0)
+        model, optimizer = accelerator.prepare(_Stack(), torch.optim.SGD(_Stack().parameters(), lr=0.01))
+        with warnings.catch_warnings(record=True) as caught, count_compilation() as compiled:
+            warnings.simplefilter("always")
+            for _ in range(2):  # the compile check's steps (it profiles them itself)
+                accelerator.backward(model(torch.randn(4, 8)).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+        with count_collectives() as issued:  # after the check: the compiled model still all-reduces
+            accelerator.backward(model(torch.randn(4, 8)).pow(2).mean())
+            optimizer.step()
+        wrapped = isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel)
+        weight = accelerator.unwrap_model(model).head.weight.detach().clone()
+        return {"report": accelerator.compile_report(), "compiled": compiled, "issued": issued, "ddp": wrapped,
+                "weight": weight, "warnings": [str(w.message) for w in caught if "torch.compile" in str(w.message)]}
+
+
+@pytest.mark.parametrize(("backend", "regional", "names"), [
+    ("aot_eager", False, ["DistributedDataParallel"]),
+    ("eager", True, ["DistributedDataParallel.module.blocks.0", "DistributedDataParallel.module.blocks.1"])])
+def test_compiled_code_runs_under_ddp_on_every_rank(gloo_pool, backend, regional, names):
+    results = gloo_pool.run(_compiled_under_ddp, backend, regional, timeout=120)
+    for result in results:
+        assert result["ddp"]  # compiled around the DDP wrapper, or its blocks compiled in place inside it
+        modules = result["report"]["modules"]
+        assert sorted(modules) == names, modules
+        assert all(stats["compiled"] and stats["compiled_calls"] == stats["calls"] == 2 for stats in modules.values())
+        assert_compiled(result["compiled"])
+        assert_collectives(result["issued"], all_reduce=1, reduce_scatter=0)  # one bucket, synchronized
+        if regional:
+            assert result["warnings"] == []
+        else:  # torch keeps DDP's own forward (_pre_forward, _inside_ddp_forward) out of the graph, by design
+            assert len(result["warnings"]) == 1 and "graph break(s)" in result["warnings"][0], result["warnings"]
+    assert torch.equal(results[0]["weight"], results[1]["weight"])  # the ranks stayed in step

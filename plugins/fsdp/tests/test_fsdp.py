@@ -311,7 +311,6 @@ def _precision(ctx, precision):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_policy_computes_low_keeps_fp32_shards(gloo_pool, precision):
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     results = gloo_pool.run(_precision, precision, timeout=TIMEOUT)
     for result in results:
         # each forward's 8 matmuls (embed, 2 per block, head) ran in low precision (observed, not configured)
