@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torchrig import Accelerator
-from torchrig.compile_check import CHECK_AFTER_STEPS, CompileVerifier
+from torchrig.compile_check import CHECK_AFTER_STEPS, RECOMPILE_WARN_THRESHOLD, CompileVerifier
 from torchrig.config.options import TorchDynamoPlugin
 from torchrig.testing.effects import assert_compiled, count_compilation
 
@@ -246,6 +246,8 @@ def test_check_steps_and_recompile_threshold_come_from_the_dynamo_config():
 
 
 def test_check_steps_below_one_is_refused_naming_the_key():
+    defaults = TorchDynamoPlugin()
+    assert (defaults.check_after_steps, defaults.recompile_warn_threshold) == (CHECK_AFTER_STEPS, RECOMPILE_WARN_THRESHOLD)
     with pytest.raises(ValueError, match="check_after_steps"):
         TorchDynamoPlugin(backend="eager", check_after_steps=0)
 
