@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
-from torchrig.testing.effects import assert_master_weights, record_forward_dtypes
+from torchrig.testing.effects import assert_collectives, assert_master_weights, record_forward_dtypes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -145,6 +145,37 @@ def test_accumulation_steps_only_at_boundaries_and_divides_the_loss_once(gloo_po
     torch.testing.assert_close(results[0]["state"], want, atol=1e-5, rtol=1e-4)
     # (sync_gradients, engine optimizer steps) after each micro-step
     assert results[0]["trace"] == [(False, 0), (False, 0), (True, 1), (False, 1), (False, 1), (True, 2)]
+
+
+def _collectives_per_micro_step(ctx, stage):
+    from torchrig.testing.effects import count_collectives
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = accelerator_for(gradient_accumulation_steps=3, deepspeed_plugin=plugin(zero_stage=stage))
+        model = make_model()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+        issued = []
+        for step in range(6):
+            x, y = batch(ctx.rank, step)
+            with count_collectives() as counts, accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+            issued.append(counts)
+        return issued
+
+
+@pytest.mark.parametrize(("stage", "per_micro_step"), [(0, 0), (1, 0), (2, 1)])
+def test_micro_steps_communicate_only_where_zero_partitions_gradients(gloo_pool, stage, per_micro_step):
+    """ZeRO-0/1 accumulate full gradients and reduce them at the boundary; ZeRO-2 reduces each
+    micro-step's gradients into their partitions during its backward (DeepSpeed's design: the
+    partitions are what accumulates), so its micro-steps communicate."""
+    for issued in gloo_pool.run(_collectives_per_micro_step, stage, timeout=TIMEOUT):
+        for index, counts in enumerate(issued):
+            if index % 3 != 2:
+                assert_collectives(counts, all_reduce=per_micro_step, total=per_micro_step)
+            else:  # the boundary: the gradient reduction (and the global norm), then the updated partitions gathered
+                assert_collectives(counts, all_reduce=range(1, 3), all_gather=0 if stage == 0 else 1)
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
