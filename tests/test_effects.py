@@ -58,6 +58,22 @@ def test_forward_dtype_selects_by_class_or_predicate_and_never_passes_on_nothing
     assert record.select(nn.Linear)[-1].dtypes == (torch.float32,) * 3
 
 
+class _Float8Matmul(nn.Module):
+    """A float8 matmul as a converted layer issues it (torch._scaled_mm with fp32 scales)."""
+
+    def forward(self, a, b):
+        one = torch.tensor(1.0)
+        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def test_a_scaled_matmul_computes_in_its_matrices_dtype_not_its_scales():
+    layer = _Float8Matmul()
+    a = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
+    record = assert_forward_dtype(layer, torch.float8_e4m3fn, lambda: layer(a, b))
+    assert [call.op for call in record.calls] == ["aten._scaled_mm.default"]
+
+
 def test_master_weights_are_the_fp32_tensors_the_optimizer_updates():
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
