@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 from torchrig import Accelerator
-from torchrig.compile_check import CHECK_AFTER_STEPS, CompileVerifier
+from torchrig.compile_check import CHECK_AFTER_STEPS, RECOMPILE_WARN_THRESHOLD, CompileVerifier
 from torchrig.config.options import TorchDynamoPlugin
+from torchrig.testing.effects import assert_compiled, count_compilation
 
 
 class Block(nn.Module):
@@ -222,3 +223,48 @@ def test_uncompilable_code_is_reported_per_region():
     named = {str(w.message).split("'")[1]: str(w.message) for w in caught}
     assert "into no graph" in named["Mixed.blocks.1"]
     assert "graph break" in named["Mixed.blocks.2"] and "Mixed.blocks.0" not in named
+
+
+def test_check_steps_and_recompile_threshold_come_from_the_dynamo_config():
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(
+        backend="eager", dynamic=False, check_after_steps=3, recompile_warn_threshold=0))
+    model, optimizer = accelerator.prepare(Stack(), torch.optim.SGD(Stack().parameters(), lr=0.01))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            accelerator.backward(model(torch.randn(4, 8)).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:  # the default would have given its verdict here
+                assert accelerator.compile_report()["checked"] is False
+        assert accelerator.compile_report()["modules"]["Stack"]["calls"] == 3
+        with count_compilation() as counts:
+            model(torch.randn(5, 8))  # a new static shape: one recompilation, above the threshold 0
+    assert counts.recompiles == 1 and counts.frames == 1
+    assert accelerator.compile_report()["recompiles_after_check"] == 1
+    assert len([w for w in caught if "1 recompilations" in str(w.message)]) == 1
+
+
+def test_check_steps_below_one_is_refused_naming_the_key():
+    defaults = TorchDynamoPlugin()
+    assert (defaults.check_after_steps, defaults.recompile_warn_threshold) == (CHECK_AFTER_STEPS, RECOMPILE_WARN_THRESHOLD)
+    with pytest.raises(ValueError, match="check_after_steps"):
+        TorchDynamoPlugin(backend="eager", check_after_steps=0)
+
+
+def test_count_compilation_sees_the_frames_the_accelerator_compiled():
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
+    with count_compilation() as counts:
+        _train(accelerator, Stack(blocks=3))
+    assert_compiled(counts, max_recompiles=1, max_graph_breaks=0)
+    # Three blocks of one class share one code object: block 0 compiles it, block 1 recompiles it (its
+    # input requires grad, block 0's does not) and block 2 hits that second entry.
+    assert (counts.frames, counts.compilations, counts.recompiles) == (2, 2, 1)
+    with pytest.raises(AssertionError, match="1 recompilation"):
+        assert_compiled(counts, max_recompiles=0)
+    with pytest.raises(AssertionError, match="at least 3"):
+        assert_compiled(counts, min_frames=3)
+    with count_compilation() as idle:
+        Stack()(torch.randn(2, 8))
+    with pytest.raises(AssertionError, match="0 frame"):
+        assert_compiled(idle)

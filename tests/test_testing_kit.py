@@ -54,6 +54,21 @@ def test_precision_contract_fails_for_a_wrong_declaration(tmp_path):
             _BF16ClaimingLossScaling().test_gradients_are_scaled_only_by_a_loss_scaling_precision(accelerator)
 
 
+class _FullPrecisionClaimingBF16(PrecisionContract):
+    precision = "no"
+    autocast_dtype = "bfloat16"  # wrong: the model's forward computes in fp32
+
+
+def test_precision_contract_observes_the_prepared_forward(tmp_path):
+    from torchrig import Accelerator
+    from torchrig.testing.contracts._common import rank_environment
+
+    with rank_environment(0, 1):
+        accelerator = Accelerator(cpu=True, mixed_precision="no", project_dir=str(tmp_path))
+        with pytest.raises(AssertionError, match="2 of 2 compute ops of the model did not run in torch.bfloat16"):
+            _FullPrecisionClaimingBF16().test_the_prepared_forward_computes_in_its_dtype(accelerator)
+
+
 class _Inconsistent:
     """A cluster plugin whose answer puts the rank outside the world."""
 

@@ -140,7 +140,9 @@ class Accelerator(ProcessControl):
         self._trackers = TrackerHub(self._run)
         self._preemption = self._arm_preemption()
         self._throughput = self._arm_throughput()
-        self._compile_check = CompileVerifier(on_done=self._replan)
+        dynamo = self.config.section("dynamo_config")
+        self._compile_check = CompileVerifier(on_done=self._replan, check_after_steps=dynamo.check_after_steps,
+                                              recompile_warn_threshold=dynamo.recompile_warn_threshold)
 
     def _arm_preemption(self) -> PreemptionWatch | None:
         """With ``preemption.signals`` set: record those signals, refuse what could not be honoured

@@ -30,9 +30,10 @@ import torch
 from torch._dynamo.callback import callback_handler
 from torch._dynamo.utils import counters
 
-#: Optimizer steps the hooks watch before the verdict.
+#: Optimizer steps the hooks watch before the verdict (the default of ``dynamo_config.check_after_steps``).
 CHECK_AFTER_STEPS = 2
-#: Recompilations after the check above which one warning is given (dynamo gives up on a frame at
+#: Recompilations after the check above which one warning is given (the default of
+#: ``dynamo_config.recompile_warn_threshold``; dynamo gives up on a frame at
 #: ``torch._dynamo.config.recompile_limit``, 8: from then on that code runs eager).
 RECOMPILE_WARN_THRESHOLD = 4
 #: The profiler event dynamo's guarded code records around every run of a compiled graph.

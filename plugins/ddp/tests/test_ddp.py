@@ -5,45 +5,47 @@ from __future__ import annotations
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.effects import assert_collectives, assert_compiled
 
 pytestmark = pytest.mark.multiprocess
 
 
-def _accumulation_comm(ctx, micro_steps):
-    """Count, per backward, whether DDP's communication hook fired."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+def _accumulation_comm(ctx, micro_steps, width, bucket_cap_mb):
+    """The collectives each micro-step issues (counted from the c10d ops, DDP's C++ reducer included)."""
     from torchrig import Accelerator
+    from torchrig.testing.effects import count_collectives
+    from torchrig_ddp.options import DistributedDataParallelKwargs
 
     with rank_environment(ctx.rank, ctx.world_size):
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=micro_steps)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=micro_steps,
+                                  kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=bucket_cap_mb)])
+        model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                    torch.nn.ReLU(), torch.nn.Linear(width, 4))
         model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
-        calls = []
-
-        def counting_allreduce(state, bucket):
-            calls.append(1)
-            return default_hooks.allreduce_hook(state, bucket)
-
-        model.register_comm_hook(None, counting_allreduce)
         per_backward = []
-        for cycle in range(2):
+        for cycle in range(3):
             for micro in range(micro_steps):
-                before = len(calls)
-                with accelerator.accumulate(model):
-                    x = torch.randn(8, 256)
+                with count_collectives() as counts, accelerator.accumulate(model):
+                    x = torch.randn(8, width)
                     accelerator.backward(model(x).pow(2).mean())
                     optimizer.step()
                     optimizer.zero_grad()
-                per_backward.append(len(calls) - before)
+                per_backward.append(counts)
         return accelerator.strategy, per_backward
 
 
-def test_accumulation_communicates_only_on_the_optimizer_step(gloo_pool):
-    for strategy, per_backward in gloo_pool.run(_accumulation_comm, 4, timeout=120):
+# 25 MiB holds the whole model: one bucket. 1 MiB splits the 2 MiB model once DDP rebuilt its buckets in
+# the order gradients arrived (at the first synchronized forward after the first synchronized step).
+@pytest.mark.parametrize(("width", "bucket_cap_mb", "buckets"), [(128, 25, 1), (512, 1, 2)])
+def test_accumulation_all_reduces_each_bucket_once_per_optimizer_step_and_never_on_micro_steps(
+        gloo_pool, width, bucket_cap_mb, buckets):
+    for strategy, per_backward in gloo_pool.run(_accumulation_comm, 4, width, bucket_cap_mb, timeout=120):
         assert strategy == "ddp"  # the default for two processes
-        micro = per_backward[:3] + per_backward[4:7]
-        assert micro == [0] * 6, per_backward  # no gradient communication on the micro-steps
-        assert per_backward[3] >= 1 and per_backward[7] == per_backward[3], per_backward  # one round of buckets
+        for index, counts in enumerate(per_backward):
+            if index % 4 != 3:  # a micro-step: no gradient communication at all
+                assert_collectives(counts, all_reduce=0, reduce_scatter=0, all_gather=0)
+        assert_collectives(per_backward[3], all_reduce=1, total=1)  # before the rebuild: one bucket
+        assert_collectives(per_backward[11], all_reduce=buckets, total=buckets)
 
 
 def _gather_for_metrics(ctx):
@@ -162,3 +164,71 @@ def _timeout_for_later_groups(ctx):
 
 def test_the_configured_timeout_applies_to_groups_created_later(gloo_pool):
     assert gloo_pool.run(_timeout_for_later_groups, timeout=120) == [True, True]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _compiled_under_ddp(ctx, backend, regional):
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+    from torchrig import Accelerator
+    from torchrig.config.options import TorchDynamoPlugin
+    from torchrig.testing.effects import count_collectives, count_compilation
+
+    torch._dynamo.reset()
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend=backend, use_regional_compilation=regional))
+        torch.manual_seed(0)
+        model, optimizer = accelerator.prepare(_Stack(), torch.optim.SGD(_Stack().parameters(), lr=0.01))
+        with warnings.catch_warnings(record=True) as caught, count_compilation() as compiled:
+            warnings.simplefilter("always")
+            for _ in range(2):  # the compile check's steps (it profiles them itself)
+                accelerator.backward(model(torch.randn(4, 8)).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+        with count_collectives() as issued:  # after the check: the compiled model still all-reduces
+            accelerator.backward(model(torch.randn(4, 8)).pow(2).mean())
+            optimizer.step()
+        wrapped = isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel)
+        weight = accelerator.unwrap_model(model).head.weight.detach().clone()
+        return {"report": accelerator.compile_report(), "compiled": compiled, "issued": issued, "ddp": wrapped,
+                "weight": weight, "warnings": [str(w.message) for w in caught if "torch.compile" in str(w.message)]}
+
+
+@pytest.mark.parametrize(("backend", "regional", "names"), [
+    ("aot_eager", False, ["DistributedDataParallel"]),
+    ("eager", True, ["DistributedDataParallel.module.blocks.0", "DistributedDataParallel.module.blocks.1"])])
+def test_compiled_code_runs_under_ddp_on_every_rank(gloo_pool, backend, regional, names):
+    results = gloo_pool.run(_compiled_under_ddp, backend, regional, timeout=120)
+    for result in results:
+        assert result["ddp"]  # compiled around the DDP wrapper, or its blocks compiled in place inside it
+        modules = result["report"]["modules"]
+        assert sorted(modules) == names, modules
+        assert all(stats["compiled"] and stats["compiled_calls"] == stats["calls"] == 2 for stats in modules.values())
+        assert_compiled(result["compiled"])
+        assert_collectives(result["issued"], all_reduce=1, reduce_scatter=0)  # one bucket, synchronized
+        if regional:
+            assert result["warnings"] == []
+        else:  # torch keeps DDP's own forward (_pre_forward, _inside_ddp_forward) out of the graph, by design
+            assert len(result["warnings"]) == 1 and "graph break(s)" in result["warnings"][0], result["warnings"]
+    assert torch.equal(results[0]["weight"], results[1]["weight"])  # the ranks stayed in step

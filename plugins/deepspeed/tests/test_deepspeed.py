@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.effects import assert_collectives, assert_master_weights, record_forward_dtypes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -90,18 +91,25 @@ def _train(ctx, stage, precision="no", micro=1, clip=None, steps=3, ds_json=None
             for m in range(micro):
                 x, y = batch(accelerator.process_index, step * micro + m)
                 with accelerator.accumulate(model):
-                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                    with record_forward_dtypes(model) as record:
+                        out = model(x)
+                    loss = torch.nn.functional.cross_entropy(out, y)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and clip is not None:
                         norms.append(float(accelerator.clip_grad_norm_(model.parameters(), clip)))
                     optimizer.step()
                     optimizer.zero_grad()
                 trace.append((accelerator.sync_gradients, model.global_steps))
+        record.assert_dtype(torch.bfloat16 if precision == "bf16" else torch.float32)  # what the matmuls ran in
+        if stage == 3:  # ZeRO-3 puts its fp32 partitions into the optimizer's groups only during the step
+            master = [t.dtype for t in model.optimizer.fp32_partitioned_groups_flat]
+        else:  # the flat fp32 partition(s) ZeRO's optimizer steps, and their Adam state
+            master = [torch.float32] * assert_master_weights(model.optimizer, torch.float32)
         state = accelerator.get_state_dict(model)
         return {"state": flat_state(state) if state else None, "norms": norms, "trace": trace,
                 "loss_dtype": str(loss.dtype), "param_dtype": str(next(accelerator.unwrap_model(model).parameters()).dtype),
                 "optimizer": type(optimizer.optimizer).__name__, "engine_optimizer": type(model.optimizer).__name__,
-                "owners": dict(accelerator.step_plan.owners)}
+                "owners": dict(accelerator.step_plan.owners), "master": master}
 
 
 @pytest.mark.parametrize(("stage", "precision", "offload"), [
@@ -123,6 +131,8 @@ def test_zero_stages_match_one_process_on_the_concatenated_batch(gloo_pool, stag
     else:
         assert results[1]["state"] is None  # gathered on the main process only
     assert results[0]["optimizer"] == "AdamW"  # the script's optimizer, driven by the engine
+    if stage > 0:  # ZeRO keeps fp32 master weights whatever the forward computes in
+        assert results[0]["master"] and set(results[0]["master"]) == {torch.float32}
     owners = results[0]["owners"]
     assert {owners[s] for s in ("backward", "optimizer_step", "zero_grad", "clip_grad_norm", "no_sync")} == {
         "strategy:deepspeed"}
@@ -135,6 +145,37 @@ def test_accumulation_steps_only_at_boundaries_and_divides_the_loss_once(gloo_po
     torch.testing.assert_close(results[0]["state"], want, atol=1e-5, rtol=1e-4)
     # (sync_gradients, engine optimizer steps) after each micro-step
     assert results[0]["trace"] == [(False, 0), (False, 0), (True, 1), (False, 1), (False, 1), (True, 2)]
+
+
+def _collectives_per_micro_step(ctx, stage):
+    from torchrig.testing.effects import count_collectives
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = accelerator_for(gradient_accumulation_steps=3, deepspeed_plugin=plugin(zero_stage=stage))
+        model = make_model()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+        issued = []
+        for step in range(6):
+            x, y = batch(ctx.rank, step)
+            with count_collectives() as counts, accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+            issued.append(counts)
+        return issued
+
+
+@pytest.mark.parametrize(("stage", "per_micro_step"), [(0, 0), (1, 0), (2, 1)])
+def test_micro_steps_communicate_only_where_zero_partitions_gradients(gloo_pool, stage, per_micro_step):
+    """ZeRO-0/1 accumulate full gradients and reduce them at the boundary; ZeRO-2 reduces each
+    micro-step's gradients into their partitions during its backward (DeepSpeed's design: the
+    partitions are what accumulates), so its micro-steps communicate."""
+    for issued in gloo_pool.run(_collectives_per_micro_step, stage, timeout=TIMEOUT):
+        for index, counts in enumerate(issued):
+            if index % 3 != 2:
+                assert_collectives(counts, all_reduce=per_micro_step, total=per_micro_step)
+            else:  # the boundary: the gradient reduction (and the global norm), then the updated partitions gathered
+                assert_collectives(counts, all_reduce=range(1, 3), all_gather=0 if stage == 0 else 1)
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])

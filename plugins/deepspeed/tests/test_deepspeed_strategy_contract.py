@@ -19,6 +19,7 @@ class TestDeepSpeedStrategyZeRO2(StrategyContract):
     strategy = "deepspeed"
     world_size = 2
     options = _deepspeed(zero_stage=2)
+    reduces_on_micro_steps = True  # ZeRO-2 reduces each micro-step's gradients into their partitions
     invalid_configs = [({"use_cpu": True, "mixed_precision": "fp16"}, "DeepSpeed's fp16 needs a CUDA GPU")]
 
 

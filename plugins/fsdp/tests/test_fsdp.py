@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.effects import assert_collectives, assert_master_weights, count_collectives, record_forward_dtypes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -222,22 +223,28 @@ def _accumulate(ctx, sync_each_batch):
             num_steps=3, sync_each_batch=sync_each_batch))
         model = make_model()
         model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        reduced = []
+        reduced, issued = [], []
         for step in range(3):
             x, y = batch(ctx.rank, step)
-            with accelerator.accumulate(model):
+            with count_collectives() as counts, accelerator.accumulate(model):
                 accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
                 reduced.append(all(p.grad is not None for p in model.parameters()))
                 optimizer.step()
                 optimizer.zero_grad()
-        return reduced, flat(model)
+            issued.append(counts)
+        return reduced, issued, flat(model)
 
 
 @pytest.mark.parametrize("sync_each_batch", [False, True])
 def test_accumulation_reduce_scatters_only_when_syncing(gloo_pool, sync_each_batch):
-    (reduced, p0), (_, p1) = gloo_pool.run(_accumulate, sync_each_batch, timeout=TIMEOUT)
+    (reduced, issued, p0), (_, _, p1) = gloo_pool.run(_accumulate, sync_each_batch, timeout=TIMEOUT)
     # Micro-steps keep unsharded gradients inside FSDP (no reduce-scatter: no sharded .grad yet)
     # unless sync_each_batch asks to reduce every micro-step (less memory, more communication).
+    # 4 units (3 blocks and the root) each reduce-scatter once when syncing; every micro-step gathers
+    # the 4 in forward and the 3 resharded blocks again in backward.
+    for counts in issued[:2]:
+        assert_collectives(counts, reduce_scatter=4 if sync_each_batch else 0, all_gather=7, all_reduce=0)
+    assert_collectives(issued[2], reduce_scatter=4, all_gather=7, all_reduce=0)
     assert reduced == ([True, True, True] if sync_each_batch else [False, False, True])
     assert torch.equal(p0, p1)
     model = make_model()  # one process, the same three micro-batches of both ranks, one step
@@ -280,31 +287,35 @@ def test_clip_grad_norm_is_the_global_norm_over_shards(gloo_pool, norm_type):
 
 
 def _precision(ctx, precision):
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     with rank_environment(ctx.rank, ctx.world_size):
         accelerator = accelerator_for(strategy="fsdp", mixed_precision=precision)
         model = make_model()
-        seen = []
-        model.blocks[0].up.register_forward_pre_hook(lambda module, args: seen.append((module.weight.dtype, args[0].dtype)))
         model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
         for step in range(3):
             x, y = batch(ctx.rank, step)
-            out = model(x)
+            with record_forward_dtypes(model) as record:
+                out = model(x)
             accelerator.backward(torch.nn.functional.cross_entropy(out, y))
             optimizer.step()
             optimizer.zero_grad()
+            record.assert_dtype(dtype)  # every matmul of every block, the embedding and the head
+        master = assert_master_weights(optimizer, torch.float32, model=model)  # the sharded fp32 parameters
         extra = [name for answer in accelerator._host.hook.torchrig_checkpoint_state(run=accelerator._run)
                  for name in answer or {}]
-        return {"compute": seen[0], "out": out.dtype, "stored": {full(p).dtype for p in model.parameters()},
+        return {"compute": len(record.calls), "master": master, "out": out.dtype,
+                "stored": {full(p).dtype for p in model.parameters()},
                 "params": flat(model), "owners": dict(accelerator.step_plan.owners), "extra": sorted(extra),
                 "skipped": accelerator.optimizer_step_was_skipped}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_policy_computes_low_keeps_fp32_shards(gloo_pool, precision):
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     results = gloo_pool.run(_precision, precision, timeout=TIMEOUT)
     for result in results:
-        assert result["compute"] == (dtype, dtype)  # gathered parameters and inputs in low precision
+        # each forward's 8 matmuls (embed, 2 per block, head) ran in low precision (observed, not configured)
+        assert result["compute"] == 8
+        assert result["master"] == 22  # the optimizer steps the model's own fp32 shards (and keeps fp32 state)
         assert result["out"] == torch.float32  # the loss is computed in fp32
         assert result["stored"] == {torch.float32}  # sharded parameters and the optimizer stay fp32
         assert result["owners"]["autocast"] == "core"

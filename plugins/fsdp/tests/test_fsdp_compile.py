@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.effects import assert_compiled, count_compilation
 
 pytestmark = pytest.mark.multiprocess
 
@@ -65,14 +66,14 @@ def _train(ctx, regional: bool, bypass: bool = False):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         model, optimizer = accelerator.prepare(model, optimizer)
         forward = model._orig_mod if bypass else model
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, count_compilation() as counts:
             warnings.simplefilter("always")
             for _ in range(STEPS):
                 accelerator.backward(forward(torch.randn(4, 8)).pow(2).mean())
                 optimizer.step()
                 optimizer.zero_grad()
         kinds = sorted({type(p).__name__ for p in model.parameters()})
-        return {"report": accelerator.compile_report(), "kinds": kinds,
+        return {"report": accelerator.compile_report(), "kinds": kinds, "counts": counts,
                 "warnings": [str(w.message) for w in caught if "torch.compile" in str(w.message)]}
 
 
@@ -82,6 +83,7 @@ def test_whole_model_compile_under_fsdp2_runs_compiled_on_every_rank(pool):
         modules = result["report"]["modules"]
         assert list(modules) == ["FSDPStack"], modules  # named by the prepared (sharded) model's class
         assert modules["FSDPStack"]["compiled"] and modules["FSDPStack"]["compiled_calls"] == modules["FSDPStack"]["calls"] > 0
+        assert_compiled(result["counts"], max_recompiles=0)  # dynamo compiled the sharded forward, once
         assert result["warnings"] == []
 
 
@@ -90,10 +92,12 @@ def test_regional_compile_under_fsdp2_compiles_each_block_on_every_rank(pool):
         modules = result["report"]["modules"]
         assert sorted(modules) == ["FSDPStack.blocks.0", "FSDPStack.blocks.1"]
         assert all(stats["compiled"] and stats["compiled_calls"] == stats["calls"] for stats in modules.values())
+        assert_compiled(result["counts"])
         assert result["warnings"] == []
 
 
 def test_bypassed_compile_under_fsdp2_is_named_on_every_rank(pool):
     for result in pool.run(_train, False, True, timeout=TIMEOUT):
         assert result["report"]["modules"]["FSDPStack"]["compiled"] is False
+        assert result["counts"].frames == 0  # nothing was compiled: the wrapper was never called
         assert len(result["warnings"]) == 1 and "'FSDPStack' did not run compiled code" in result["warnings"][0]

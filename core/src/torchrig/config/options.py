@@ -275,6 +275,11 @@ class TorchDynamoPlugin:
     use_regional_compilation: bool = option(False, help="compile each repeated block instead of the whole model",
                                             aliases=("dynamo_use_regional_compilation",),
                                             flag="--dynamo_use_regional_compilation")
+    check_after_steps: int = option(2, help="torchrig: optimizer steps during which each compiled module's calls are "
+                                    "watched before it is said whether compiled code ran (docs/compile.md)",
+                                    validator=at_least(1))
+    recompile_warn_threshold: int = option(4, help="torchrig: recompilations after the check above which one "
+                                           "warning is given", validator=at_least(0))
 
 
 #: Every axis a ``parallelism_config`` may set, outermost first, as Accelerate and torchtitan name them.

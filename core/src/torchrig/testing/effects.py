@@ -37,10 +37,13 @@ from torchrig.compile_check import dynamo_counters
 
 #: The ops whose dtype is "the compute dtype": matmuls, convolutions, attention kernels, fp8 matmuls.
 COMPUTE_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm", "convolution", "_convolution",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "mm", "addmm", "_addmm_activation", "bmm", "baddbmm", "addbmm", "mv", "addmv", "_grouped_mm", "_scaled_mm",
+    "_scaled_grouped_mm", "convolution", "_convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
 })
+#: Scaled (fp8) matmuls: only the two matrices are their compute dtype, not their fp32 scales.
+_SCALED_OPS = frozenset({"_scaled_mm", "_scaled_grouped_mm"})
 
 ModuleSelector = str | type | tuple | Callable[[str, torch.nn.Module], bool] | None
 
@@ -114,8 +117,11 @@ class _ComputeMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.stack and func._overloadpacket.__name__ in COMPUTE_OPS:
+        name = func._overloadpacket.__name__
+        if self.stack and name in COMPUTE_OPS:
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if name in _SCALED_OPS:
+                tensors = tensors[:2]
             self.record.calls.append(ComputeCall(
                 module=self.stack[-1], op=str(func), dtypes=tuple(t.dtype for t in tensors),
                 tensor_types=tuple(type(t).__name__ for t in tensors if type(t) is not torch.Tensor)))

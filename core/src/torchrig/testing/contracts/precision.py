@@ -11,7 +11,8 @@
 
 Each test builds a real ``Accelerator(mixed_precision=precision)`` in the test process (one
 process; the strategy is ``single``) on ``device`` and checks: matmuls inside ``autocast()`` run
-in ``autocast_dtype``; a training step updates full-precision (fp32) master weights; a
+in ``autocast_dtype``, and so do those of the prepared model's forward (observed with
+:mod:`torchrig.testing.effects`, for ``forward_dtype_modules``); a training step updates full-precision (fp32) master weights; a
 loss-scaling precision scales the gradients and *skips* a step whose gradients overflowed (the
 parameters stay, ``optimizer_step_was_skipped`` says so, the scale backs off), and a precision
 without loss scaling never silently skips a step; the run's checkpoint round-trips, with the
@@ -57,6 +58,11 @@ class PrecisionContract:
     device: ClassVar[str] = "cpu"
     #: Files the plugin adds to every checkpoint (``torchrig_checkpoint_state``), e.g. ``("scaler.pt",)``.
     checkpoint_files: ClassVar[tuple[str, ...]] = ()
+    #: The modules of the prepared model whose forward must compute in ``autocast_dtype`` (a selector of
+    #: :class:`torchrig.testing.effects.ForwardRecord`: a name, a class or a predicate ``(name, module)``);
+    #: None: all. A plugin that converts modules to tensor subclasses (fp8) selects the others here and
+    #: checks the converted ones with :func:`torchrig.testing.effects.assert_modules_converted`.
+    forward_dtype_modules: ClassVar[Any] = None
 
     @pytest.fixture
     def accelerator(self, tmp_path: pathlib.Path) -> Any:
@@ -88,8 +94,22 @@ class PrecisionContract:
             out = torch.nn.functional.linear(x, w)
         assert out.dtype == getattr(torch, self.autocast_dtype or "float32"), out.dtype
 
+    def test_the_prepared_forward_computes_in_its_dtype(self, accelerator: Any) -> None:
+        """Observed in the prepared model's own forward (not a bare op under ``autocast()``): a plugin
+        whose autocast never reaches the model computes in fp32 and fails here."""
+        import torch
+
+        from torchrig.testing.effects import record_forward_dtypes
+
+        model, _, x, _ = self._prepared(accelerator)
+        with record_forward_dtypes(model) as record:
+            model(x)
+        record.assert_dtype(getattr(torch, self.autocast_dtype or "float32"), self.forward_dtype_modules)
+
     def test_a_step_updates_full_precision_master_weights(self, accelerator: Any) -> None:
         import torch
+
+        from torchrig.testing.effects import assert_master_weights
 
         model, optimizer, x, y = self._prepared(accelerator)
         before = [p.detach().clone() for p in model.parameters()]
@@ -100,6 +120,7 @@ class PrecisionContract:
         assert not accelerator.optimizer_step_was_skipped, "a step with finite gradients must be applied"
         params = list(model.parameters())
         assert all(p.dtype == torch.float32 for p in params), "master weights must stay fp32"
+        assert_master_weights(optimizer, torch.float32, model=model)  # and the optimizer steps those
         assert any(not torch.equal(p, b) for p, b in zip(params, before)), "the step must change the parameters"
 
     def test_gradients_are_scaled_only_by_a_loss_scaling_precision(self, accelerator: Any) -> None:

@@ -16,7 +16,8 @@ functions below (module-level, so they can be sent to pool workers).
 
 What is checked: ``prepare`` returns working objects (model, optimizer, dataloader, scheduler);
 one step updates the parameters identically on every rank; training equals one process on the
-concatenated batch; accumulation steps only at the boundary, after which the ranks agree;
+concatenated batch; accumulation steps only at the boundary, after which the ranks agree, and its
+micro-steps issue no gradient reduction (``reduces_on_micro_steps``);
 ``clip_grad_norm_`` returns the norm before clipping and the update is clipped; ``save_state`` →
 ``load_state`` round-trips parameters and optimizer state; configuration validation accepts the
 strategy's defaults and rejects what it cannot do, naming the key.
@@ -79,10 +80,12 @@ def task_reference(ctx: Any, world_size: int, steps: int) -> list[float]:
 
 def task_accumulate(ctx: Any, strategy: str, options: Mapping[str, Any], micro_steps: int) -> dict[str, Any]:
     """Accumulate ``micro_steps`` micro-batches: parameters must not move until the last, and
-    after it they must be equal on every rank."""
+    after it they must be equal on every rank; ``reductions``: the all-reduces and reduce-scatters
+    each micro-step issued (:func:`torchrig.testing.effects.count_collectives`)."""
     import torch
 
     from torchrig import Accelerator
+    from torchrig.testing.effects import count_collectives
 
     with rank_environment(ctx.rank, ctx.world_size):
         accelerator = Accelerator(cpu=True, strategy=strategy, gradient_accumulation_steps=micro_steps, **options)
@@ -90,15 +93,16 @@ def task_accumulate(ctx: Any, strategy: str, options: Mapping[str, Any], micro_s
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         model, optimizer = accelerator.prepare(model, optimizer)
         start = _flat_params(accelerator.unwrap_model(model))
-        trace = []
+        trace, reductions = [], []
         for step in range(micro_steps):
             x, y = _batch(accelerator.process_index, seed=step)
-            with accelerator.accumulate(model):
+            with count_collectives() as issued, accelerator.accumulate(model):
                 accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
                 optimizer.step()
                 optimizer.zero_grad()
             trace.append((accelerator.sync_gradients, _flat_params(accelerator.unwrap_model(model)) != start))
-        return {"trace": trace, "params": _flat_params(accelerator.unwrap_model(model))}
+            reductions.append(issued["all_reduce"] + issued["reduce_scatter"])
+        return {"trace": trace, "params": _flat_params(accelerator.unwrap_model(model)), "reductions": reductions}
 
 
 def task_clip(ctx: Any, strategy: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -221,6 +225,10 @@ class StrategyContract:
     #: False for strategies that never all-reduce gradients (local SGD averages parameters
     #: instead): ``clip_grad_norm_`` then reports each rank's own norm, which may differ.
     synchronizes_gradients: ClassVar[bool] = True
+    #: True for strategies whose accumulation micro-steps reduce gradients by design (DeepSpeed
+    #: ZeRO-2/3 reduce each micro-step's gradients into their partitions). False: a micro-step
+    #: issues no all-reduce or reduce-scatter (``no_sync`` took effect), counted from the c10d ops.
+    reduces_on_micro_steps: ClassVar[bool] = False
     #: Configurations the strategy cannot run, each with text its error must contain (the key
     #: it names): ``[({"ddp_config": {"comm_hook": "bf16"}}, "ddp_config.comm_hook")]``. Merged
     #: into a config file that selects the strategy; validation must fail before any process
@@ -264,6 +272,12 @@ class StrategyContract:
         results = on_ranks(task_accumulate, self.strategy, self.options, 3)
         for result in results:
             assert result["trace"] == [(False, False), (False, False), (True, True)], result["trace"]
+            if not self.reduces_on_micro_steps:
+                assert result["reductions"][:2] == [0, 0], (
+                    f"micro-steps must not reduce gradients (no_sync); all-reduces/reduce-scatters issued per "
+                    f"micro-step: {result['reductions']}")
+            if self.synchronizes_gradients and self.world_size > 1:
+                assert result["reductions"][2] > 0, "the optimizer step must reduce the accumulated gradients"
         assert all(r["params"] == results[0]["params"] for r in results)
 
     def test_clip_grad_norm_reports_the_global_norm_and_clips(self, on_ranks: Any) -> None:
