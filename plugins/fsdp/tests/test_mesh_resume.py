@@ -171,3 +171,72 @@ def _dcp_keys(path) -> set[str]:
     from torchrig_fsdp import safe_dcp
 
     return set(safe_dcp.reader(str(path), allow_pickle=False).read_metadata().state_dict_metadata)
+
+
+# -- save_model: one full safetensors file from every layout -------------------------------------------------
+
+
+def _save_model(ctx, layout: str, directory: str, max_shard_size: str):
+    from torchrig import Accelerator
+
+    parallelism, dp_size, _ = LAYOUTS[layout]
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism)
+        torch.manual_seed(0)
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = torch.utils.data.DataLoader(make_data(GLOBAL_BATCH), batch_size=GLOBAL_BATCH // dp_size)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for tokens, labels in loader:
+            accelerator.backward(model(tokens, labels))
+            optimizer.step()
+        written = accelerator.save_model(model, directory, max_shard_size=max_shard_size)
+        state = accelerator.get_state_dict(model)
+        params = {name: _full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
+        accelerator.end_training()
+        return {"written": [os.path.basename(path) for path in written], "state": state, "params": params}
+
+
+@pytest.mark.parametrize(("layout", "max_shard_size"), [("tp4", "10GB"), ("hsdp", "10GB"), ("replicate_x_tp", "20KB")])
+def test_save_model_gathers_a_full_safetensors_model_from_the_layout(pool, tmp_path, layout, max_shard_size):
+    from safetensors.torch import load_file
+
+    directory = tmp_path / "weights"
+    results = pool.run(_save_model, layout, str(directory), max_shard_size, timeout=TIMEOUT)
+    assert all(not result["written"] for result in results[1:])  # the main process writes
+    assert all(not result["state"] for result in results[1:])  # get_state_dict: on the main process
+    weights = {}
+    for name in results[0]["written"]:
+        if name.endswith(".safetensors"):
+            weights.update(load_file(directory / name))
+    if max_shard_size == "20KB":  # several files and Hugging Face's index
+        assert (directory / "model.safetensors.index.json").is_file() and len(results[0]["written"]) > 2
+    plain = TinyLM()
+    plain.load_state_dict(weights)  # strict: every name, full shapes
+    for name, tensor in plain.named_parameters():
+        torch.testing.assert_close(tensor.detach(), results[0]["params"][name], rtol=0, atol=0)
+        torch.testing.assert_close(results[0]["state"][name].float(), results[0]["params"][name], rtol=0, atol=0)
+
+
+# -- what cannot be resumed is refused, naming both layouts ------------------------------------------------
+
+
+def test_a_sharded_checkpoint_read_by_a_strategy_without_dcp_is_refused_naming_both_layouts(pool, tmp_path):
+    from torchrig import Accelerator
+    from torchrig.checkpoint import CheckpointError
+
+    checkpoint = str(tmp_path / "sharded")
+    pool.run(_leg, "fsdp2xtp", None, checkpoint, 1, timeout=TIMEOUT)
+    with rank_environment(0, 1):
+        accelerator = Accelerator(cpu=True)  # the single-process strategy reads plain state dicts only
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = torch.utils.data.DataLoader(make_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        with pytest.raises(CheckpointError) as caught:
+            accelerator.load_state(checkpoint, allow_world_size_change=True)
+        accelerator.end_training()
+    message = str(caught.value)
+    assert "saved by the strategy 'fsdp' under dp_shard=2 x tp=2" in message, message
+    assert "the strategy 'single' (single on 1 process) cannot read" in message, message
+    assert "model.safetensors" in message and model is not None
