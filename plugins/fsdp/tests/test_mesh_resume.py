@@ -56,7 +56,7 @@ def pool():
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
-    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float().cpu()
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float().cpu().clone()
 
 
 def _stage(parallelism: dict | None, dp_size: int, load_from: str | None, save_to: str, steps: int,
@@ -240,3 +240,73 @@ def test_a_sharded_checkpoint_read_by_a_strategy_without_dcp_is_refused_naming_b
     assert "saved by the strategy 'fsdp' under dp_shard=2 x tp=2" in message, message
     assert "the strategy 'single' (single on 1 process) cannot read" in message, message
     assert "model.safetensors" in message and model is not None
+
+
+# -- meta-device init: no rank ever holds the whole model -------------------------------------------------------
+
+
+def _meta_init(ctx, layout: str | None):
+    from torchrig import Accelerator, init_empty_weights
+
+    parallelism = LAYOUTS[layout][0] if layout else {}
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism)
+        torch.manual_seed(0)
+        with init_empty_weights():
+            model = TinyLM()
+        meta_before = all(p.is_meta for p in model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+        params = {name: _full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
+        meta_after = any(p.is_meta for p in model.parameters())
+        tokens, labels = make_data(GLOBAL_BATCH)[:]
+        loss = model(tokens, labels)  # every rank the same batch: a forward works on the materialised shards
+        accelerator.backward(loss)
+        optimizer.step()
+        accelerator.end_training()
+        return {"meta_before": meta_before, "meta_after": meta_after, "local": local, "params": params,
+                "loss": float(_full(loss))}
+
+
+@pytest.mark.parametrize("layout", ["fsdp2xtp", "tp4"])
+def test_meta_device_init_is_sharded_before_it_is_materialised_and_matches_the_seeded_model(pool, layout):
+    """``init_empty_weights`` + prepare under TP / FSDP2 x TP: parameters stay meta until prepare, each rank
+    then holds a quarter of the model, and the weights are those of ``manual_seed(0); TinyLM()``."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    total = sum(p.numel() for p in reference.parameters())
+    expected = reference(*make_data(GLOBAL_BATCH)[:]).detach()
+    results = pool.run(_meta_init, layout, timeout=TIMEOUT)
+    for result in results:
+        assert result["meta_before"] and not result["meta_after"]
+        assert result["local"] < total / 2  # a shard (norms stay whole under tp alone), never the model
+        for name, tensor in reference.named_parameters():
+            torch.testing.assert_close(result["params"][name], tensor.detach(), rtol=0, atol=0,
+                                       msg=lambda m: f"{name}: {m}")
+        assert result["loss"] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_meta_device_init_in_one_process_and_a_module_nothing_can_initialise():
+    from torchrig import Accelerator, init_empty_weights
+    from torchrig_fsdp.strategy import FSDPConfigError
+
+    class Scale(torch.nn.Module):  # a parameter, and no reset_parameters()
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(3))
+
+    class _One:
+        rank, world_size = 0, 1
+
+    result = _meta_init(_One(), None)
+    torch.manual_seed(0)
+    for name, tensor in TinyLM().named_parameters():
+        torch.testing.assert_close(result["params"][name], tensor.detach(), rtol=0, atol=0)
+    with rank_environment(0, 1):
+        accelerator = Accelerator(cpu=True, strategy="fsdp")
+        with init_empty_weights():
+            model = torch.nn.Sequential(torch.nn.Linear(3, 3), Scale())
+        with pytest.raises(FSDPConfigError, match=r"fsdp_config.param_init_fn: .*without reset_parameters\(\) \(1\)"):
+            accelerator.prepare(model)
+        accelerator.end_training()
