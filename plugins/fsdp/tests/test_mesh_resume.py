@@ -348,3 +348,39 @@ def test_launch_saves_under_one_config_file_and_resumes_under_another(tmp_path):
     params = torch.load(tmp_path / "hsdp" / "params.pt")
     for name, expected in reference["params"].items():  # four Adam steps: rounding differences grow a little
         torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def _ddp_leg(ctx, save_to: str):
+    from torchrig import Accelerator
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="ddp")
+        torch.manual_seed(0)
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = torch.utils.data.DataLoader(make_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // 4)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        tokens, labels = next(iter(loader))
+        loss = model(tokens, labels)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.save_state(save_to)
+        accelerator.end_training()
+        return float(loss.detach())
+
+
+def test_a_ddp_checkpoint_resumes_under_fsdp2_x_tp(pool, tmp_path):
+    """DDP's plain checkpoint (model.safetensors, position-keyed optimizer.safetensors) is read on rank 0,
+    re-keyed by parameter name and distributed over the mesh; training continues like one process."""
+    reference = _reference(2)
+    checkpoint = str(tmp_path / "ddp")
+    losses = pool.run(_ddp_leg, checkpoint, timeout=TIMEOUT)
+    assert sum(losses) / 4 == pytest.approx(reference["losses"][0], rel=1e-4, abs=1e-5)
+    assert os.path.isfile(os.path.join(checkpoint, "optimizer.safetensors"))
+    results = pool.run(_leg, "fsdp2xtp", checkpoint, str(tmp_path / "mesh"), 1, timeout=TIMEOUT)
+    assert _mean_loss(results, "fsdp2xtp", 0) == pytest.approx(reference["losses"][1], rel=1e-4, abs=1e-5)
+    assert any("resharding from ddp on 4 processes to dp_shard=2 x tp=2" in line for line in results[0]["log"])
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(results[0]["params"][name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -133,10 +133,11 @@ def check_compatible(manager: ManagerView, directory: str, manifest: Mapping[str
     saved_config = dict(saved.get("config", {}))
     saved_order, data_order = comparable_data_order(saved.get("data_order") or [], data_order,
                                                     ledger.dataloaders)
-    if saved_world != world:
-        # What follows from the world size is not a configuration change: the strategy
-        # (single <-> data parallel; the strategy's load hook refuses formats it cannot
-        # read) and its options.
+    relaid = topology.changed(topology.saved(manifest), topology.current(ledger.run))
+    if saved_world != world or relaid:
+        # What follows from the world size or the layout is not a configuration change: the
+        # strategy (single <-> data parallel, DDP -> FSDP2 x TP; the strategy's load hook
+        # refuses formats it cannot read) and its options.
         for keys in (saved_config, config_keys):
             for key in [k for k in keys if k == "strategy" or "." in k and k.split(".")[0] not in FINGERPRINT_SECTIONS]:
                 del keys[key]

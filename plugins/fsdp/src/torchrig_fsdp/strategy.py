@@ -241,8 +241,8 @@ class FSDPStrategy:
 
     @hookimpl
     def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str,
-                                     allow_pickle: bool) -> bool:
-        fsdp_checkpoint.load_state(run, prepared, directory, allow_pickle)
+                                     manifest: Any, allow_pickle: bool) -> bool:
+        fsdp_checkpoint.load_state(run, prepared, directory, allow_pickle, manifest)
         return True
 
     @hookimpl
