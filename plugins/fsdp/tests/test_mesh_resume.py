@@ -245,10 +245,13 @@ def test_a_sharded_checkpoint_read_by_a_strategy_without_dcp_is_refused_naming_b
 # -- meta-device init: no rank ever holds the whole model -------------------------------------------------------
 
 
-def _meta_init(ctx, layout: str | None):
+def _meta_init(ctx, layout: str | None, batch_bytes: int | None = None):
     from torchrig import Accelerator, init_empty_weights
+    from torchrig_fsdp import materialize
 
     parallelism = LAYOUTS[layout][0] if layout else {}
+    default_batch = materialize.BATCH_BYTES
+    materialize.BATCH_BYTES = batch_bytes or default_batch  # 1: every module is sharded out on its own
     with rank_environment(ctx.rank, ctx.world_size):
         accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism)
         torch.manual_seed(0)
@@ -265,19 +268,22 @@ def _meta_init(ctx, layout: str | None):
         accelerator.backward(loss)
         optimizer.step()
         accelerator.end_training()
+        materialize.BATCH_BYTES = default_batch
         return {"meta_before": meta_before, "meta_after": meta_after, "local": local, "params": params,
                 "loss": float(_full(loss))}
 
 
-@pytest.mark.parametrize("layout", ["fsdp2xtp", "tp4"])
-def test_meta_device_init_is_sharded_before_it_is_materialised_and_matches_the_seeded_model(pool, layout):
+@pytest.mark.parametrize(("layout", "batch_bytes"), [("fsdp2xtp", 1), ("tp4", None)])
+def test_meta_device_init_is_sharded_before_it_is_materialised_and_matches_the_seeded_model(pool, layout,
+                                                                                            batch_bytes):
     """``init_empty_weights`` + prepare under TP / FSDP2 x TP: parameters stay meta until prepare, each rank
-    then holds a quarter of the model, and the weights are those of ``manual_seed(0); TinyLM()``."""
+    then holds a shard, and the weights are those of ``manual_seed(0); TinyLM()`` — sharded out module by
+    module (``batch_bytes`` 1) or all at once."""
     torch.manual_seed(0)
     reference = TinyLM()
     total = sum(p.numel() for p in reference.parameters())
     expected = reference(*make_data(GLOBAL_BATCH)[:]).detach()
-    results = pool.run(_meta_init, layout, timeout=TIMEOUT)
+    results = pool.run(_meta_init, layout, batch_bytes, timeout=TIMEOUT)
     for result in results:
         assert result["meta_before"] and not result["meta_after"]
         assert result["local"] < total / 2  # a shard (norms stay whole under tp alone), never the model
