@@ -152,6 +152,13 @@ def test_resume_across_layouts_continues_like_one_uninterrupted_process(pool, tm
         described = LAYOUTS[layout][2]
         assert any(f"resharding from {before} to {described}" in line for line in results[0]["log"]), results[0]["log"]
         previous, before = target, described
+        if layout == "fsdp2xtp":  # merge-weights: the 2-D shards into full weights, no process group
+            from safetensors.torch import load_file
+            from torchrig_fsdp.merge import merge_weights
+
+            merged = load_file(merge_weights(target, str(tmp_path / "merged"))[0])
+            for name, tensor in results[0]["params"].items():
+                torch.testing.assert_close(merged[name], tensor, rtol=0, atol=0)
     with rank_environment(0, 1):
         last = _stage(None, 1, previous, str(tmp_path / "final"), 1, allow_world_size_change=True)
     assert last["losses"] == pytest.approx(reference["losses"][-1:], rel=1e-4, abs=1e-5)
