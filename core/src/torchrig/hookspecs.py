@@ -412,8 +412,9 @@ def torchrig_load_strategy_state(
     """Load what :func:`torchrig_save_strategy_state` wrote into the prepared objects.
 
     ``manifest`` is the checkpoint's verified manifest (``world_size`` at save, ``strategy``,
-    ``files``): a strategy that cannot load at another world size says so here, naming the
-    conversion to use. Unless ``allow_pickle``, nothing may be unpickled beyond what
+    ``layout`` — the mesh it was saved under, :mod:`torchrig.checkpoint.topology` — and
+    ``files``): a strategy that cannot load at another world size or layout says so here, naming
+    both layouts and the conversion to use. Unless ``allow_pickle``, nothing may be unpickled beyond what
     ``torch.load(weights_only=True)`` accepts: a file that needs more is refused with an error
     naming it and ``load_state(..., allow_pickle=True)`` (the checkpoint may be untrusted).
 

@@ -14,17 +14,19 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from torchrig.checkpoint import layout
+from torchrig.checkpoint import layout, topology
 from torchrig.checkpoint.files import CheckpointError, describe
 from torchrig.checkpoint.state import FINGERPRINT_SECTIONS, comparable_data_order, diff, reseed_rng, restore_rng
 from torchrig.checkpoint.state_dicts import load_structured
 from torchrig.checkpoint.trust import load_pickled
+from torchrig.logging import get_logger
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.checkpoint.ledger import CheckpointLedger
     from torchrig.collectives import Collectives
 
 _PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
+logger = get_logger(__name__)
 
 
 class ManagerView(Protocol):
@@ -59,6 +61,10 @@ def load(manager: ManagerView, input_dir: str | os.PathLike[str] | None, *, allo
             layout.verify(directory, manifest, hashes=verify_hashes)
             check_compatible(manager, directory, manifest, allow_config_change, allow_world_size_change)
             found = {"directory": directory}
+            before, now = topology.saved(manifest), topology.current(manager.ledger.run)
+            if topology.changed(before, now):
+                logger.info(f"load_state: resharding from {topology.describe(before)} to {topology.describe(now)} "
+                            f"(checkpoint {directory})")
         except CheckpointError as exc:
             found = {"error": str(exc)}
     found = collectives.broadcast_object_list([found])[0]
@@ -127,15 +133,17 @@ def check_compatible(manager: ManagerView, directory: str, manifest: Mapping[str
     saved_config = dict(saved.get("config", {}))
     saved_order, data_order = comparable_data_order(saved.get("data_order") or [], data_order,
                                                     ledger.dataloaders)
-    if saved_world != world:
-        # What follows from the world size is not a configuration change: the strategy
-        # (single <-> data parallel; the strategy's load hook refuses formats it cannot
-        # read), its options, and the global batch size.
+    relaid = topology.changed(topology.saved(manifest), topology.current(ledger.run))
+    if saved_world != world or relaid:
+        # What follows from the world size or the layout is not a configuration change: the
+        # strategy (single <-> data parallel, DDP -> FSDP2 x TP; the strategy's load hook
+        # refuses formats it cannot read) and its options.
         for keys in (saved_config, config_keys):
             for key in [k for k in keys if k == "strategy" or "." in k and k.split(".")[0] not in FINGERPRINT_SECTIONS]:
                 del keys[key]
-        saved_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in saved_order]
-        data_order = [{k: v for k, v in d.items() if k != "total_batch_size"} for d in data_order]
+    if saved_world != world or (topology.saved(manifest).get("data_parallel_size")
+                                != topology.current(ledger.run)["data_parallel_size"]):
+        saved_order, data_order = _one_batch_size(saved_order, data_order)
     if not allow_config_change:
         is_set = getattr(ledger.run.config, "is_set", None)  # a resolved configuration knows each key's source
         defaulted = [key for key in config_keys if is_set is not None and not is_set(key)]
@@ -153,6 +161,22 @@ def check_compatible(manager: ManagerView, directory: str, manifest: Mapping[str
             problems.append(f"{name}: the checkpoint has {contents.get(name)}, this run prepared/registered {have}")
     if problems:
         raise CheckpointError(f"cannot load {directory}: " + "; ".join(problems))
+
+
+def _one_batch_size(saved: list[dict[str, Any]], current: list[dict[str, Any]]
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Another data-parallel size (world size or mesh): the per-rank and the global batch cannot
+    both stay. Keeping either is a resume; each loader compares only the one the run kept (the
+    global batch when the per-rank batch changed: ``tp=2 -> dp_shard=4`` with a halved loader
+    batch continues exactly as before)."""
+    kept_saved, kept_current = [], []
+    for index, entry in enumerate(current):
+        old = saved[index] if index < len(saved) else {}
+        drop = "total_batch_size" if old.get("batch_size") == entry.get("batch_size") else "batch_size"
+        kept_saved.append({k: v for k, v in old.items() if k != drop})
+        kept_current.append({k: v for k, v in entry.items() if k != drop})
+    kept_saved += saved[len(current):]
+    return kept_saved, kept_current
 
 
 def _custom_file(directory: str, index: int, listed: set[str]) -> str | None:

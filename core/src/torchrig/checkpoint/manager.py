@@ -37,7 +37,7 @@ from typing import Any
 
 from torchrig import run_status
 from torchrig._version import __version__
-from torchrig.checkpoint import faults, layout, loading, temporaries
+from torchrig.checkpoint import faults, layout, loading, temporaries, topology
 from torchrig.checkpoint.files import (
     CheckpointError,
     CheckpointWriter,
@@ -274,7 +274,7 @@ class CheckpointManager:
             "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "iteration": number,
             "accumulation_step": ledger.gradient_state.step,
             "created_at": time.time(), "world_size": run.cluster.world_size, "num_nodes": run.cluster.num_nodes,
-            "strategy": run.config.get("strategy"), "hashes": hashes,
+            "strategy": run.config.get("strategy"), "layout": topology.current(run), "hashes": hashes,
             "versions": {"torchrig": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "fingerprint": {"config_hash": digest(config_keys), "data_order_hash": digest(data_order),
                             "config": config_keys, "data_order": data_order},

@@ -47,6 +47,8 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "world_size": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
     "num_nodes": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
     "strategy": (lambda v: v is None or isinstance(v, str), "a string"),
+    "layout": (lambda v: isinstance(v, dict) and (v.get("mesh") is None or (isinstance(v["mesh"], dict) and all(
+        _is_int(size) and size >= 1 for size in v["mesh"].values()))), "an object (mesh: axis -> positive size)"),
     "hashes": (lambda v: isinstance(v, bool), "true or false"),
     "fingerprint": (lambda v: isinstance(v, dict), "an object"),
     "contents": (lambda v: isinstance(v, dict), "an object"),

@@ -30,9 +30,11 @@ NON_FINGERPRINT_KEYS = frozenset({
     "dataloader_config.non_blocking",
 })
 #: Core option sections of the same kind: outputs, process-group setup, compilation, what a
-#: preemption does (a requeued job may well change it), what is profiled and measured.
+#: preemption does (a requeued job may well change it), what is profiled and measured, the device
+#: mesh (a layout: a resume under another mesh reshards; the manifest's ``layout`` records it,
+#: checkpoint/topology.py).
 NON_FINGERPRINT_SECTIONS = ("project_config", "init_process_group_kwargs", "dynamo_config", "preemption",
-                            "profile_kwargs", "throughput_monitor")
+                            "profile_kwargs", "throughput_monitor", "parallelism_config")
 #: The core's other option sections: they define what training computes, at any world size.
 FINGERPRINT_SECTIONS = tuple(section.key for section in CORE_SECTIONS if section.key not in NON_FINGERPRINT_SECTIONS)
 

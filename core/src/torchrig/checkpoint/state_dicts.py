@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchrig.checkpoint import topology
 from torchrig.checkpoint.direct_read import read_into
+from torchrig.checkpoint.files import CheckpointError
 from torchrig.checkpoint.layout import numbered
 from torchrig.checkpoint.trust import check_loadable
 
@@ -173,6 +175,20 @@ def save_plain_state(run: RunContext, prepared: Sequence[PreparedModel], writer:
     return written
 
 
+def _check_plain(run: RunContext, directory: str, manifest: Mapping[str, Any], models: int) -> None:
+    listed = {entry.get("path") for entry in manifest.get("files", []) if isinstance(entry, Mapping)}
+    for index in range(models):
+        names = (numbered("model", index, ".safetensors"), numbered("pytorch_model", index, ".bin"))
+        if not any(name in listed for name in names):
+            saved, now = topology.saved(manifest), topology.current(run)
+            raise CheckpointError(
+                f"cannot load model {index} from {directory}: it was saved by the strategy {saved.get('strategy')!r} "
+                f"under {topology.describe(saved)}, in a format the strategy {now.get('strategy')!r} "
+                f"({topology.describe(now)}) cannot read (no {names[0]} or {names[1]}); resume it with the strategy "
+                f"that saved it ({saved.get('strategy')!r} reshards to any layout), or load full weights exported "
+                "from it (save_model) into the model")
+
+
 def read_model_file(directory: str, index: int, location: Any = "cpu",
                     into: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The state dict of model ``index`` in a checkpoint, from whichever format it was saved in;
@@ -205,10 +221,14 @@ def load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
     optimizer.load_state_dict(state)
 
 
-def load_plain_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> None:
-    """Load what :func:`save_plain_state` wrote, onto this rank's device."""
+def load_plain_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str,
+                     manifest: Mapping[str, Any] | None = None) -> None:
+    """Load what :func:`save_plain_state` wrote, onto this rank's device. A checkpoint whose
+    manifest lists no plain model file (a sharded strategy's) is refused naming both layouts."""
     assert run.device is not None
     location = run.device.device
+    if manifest is not None and "files" in manifest:
+        _check_plain(run, directory, manifest, len(prepared))
     for index, item in enumerate(prepared):
         model = item.unwrapped
         model.load_state_dict(read_model_file(directory, index, "cpu", into=model.state_dict()))

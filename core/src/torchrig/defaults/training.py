@@ -8,7 +8,7 @@ which import torch, are imported inside the implementations."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchrig.checkpoint.files import CheckpointWriter
@@ -55,10 +55,11 @@ class TrainingDefaults:
         return save_plain_state(run, prepared, writer)
 
     @hookimpl(trylast=True)
-    def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> bool:
+    def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str,
+                                     manifest: Mapping[str, Any]) -> bool:
         from torchrig.checkpoint.state_dicts import load_plain_state  # torch: see the module docstring
 
-        load_plain_state(run, prepared, directory)
+        load_plain_state(run, prepared, directory, manifest)
         return True
 
     @hookimpl(trylast=True)

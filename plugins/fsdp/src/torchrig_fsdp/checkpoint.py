@@ -11,7 +11,10 @@ Files, named as Accelerate names them so its users recognise them (``i``: the mo
   and ``optimizer.bin`` (``optimizer_<k>.bin``): full, parameter-name-keyed state dicts gathered
   on rank 0 and written by it (``torch.save``); loading broadcasts them from rank 0.
 
-Loading reads whichever format the checkpoint holds, whatever ``state_dict_type`` says now.
+Loading reads whichever format the checkpoint holds, whatever ``state_dict_type`` says now, and
+under whatever mesh this run has (keys are parameter names, the same in every layout: DCP
+reshards); a single-process or DDP checkpoint (``model.safetensors``, position-keyed
+``optimizer.safetensors``: :mod:`torchrig.checkpoint.plain`) is read on rank 0 and distributed.
 The hooks write and read only inside the directory they are given; the commit protocol around
 it (temporary directory, fsync, manifest, rename) is the core's. DCP reports failures as
 ``CheckpointException``, a ``BaseException``: it is caught here and raised again as
@@ -21,7 +24,7 @@ it (temporary directory, fsync, manifest, rename) is the core's. DCP reports fai
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torchrig.checkpoint import plain, topology
 from torchrig.checkpoint.trust import check_loadable, load_pickled
 from torchrig.run import RunContext
 from torchrig.types import PreparedModel
@@ -183,25 +187,39 @@ def _recording_writer_class() -> type:
 # -- load ---------------------------------------------------------------------------------------
 
 
-def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str, allow_pickle: bool = False) -> None:
-    """Load what :func:`save_state` wrote (either format, at any world size) into the prepared
-    models and optimizers. Collective. Nothing is unpickled beyond ``weights_only`` unless
-    ``allow_pickle`` (see :mod:`torchrig_fsdp.safe_dcp`)."""
+def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str, allow_pickle: bool = False,
+               manifest: Mapping[str, Any] | None = None) -> None:
+    """Load what :func:`save_state` wrote (either format, at any world size and under any mesh:
+    DCP reshards by parameter name), or the plain state a single-process or DDP run saved, into
+    the prepared models and optimizers. Collective. Nothing is unpickled beyond ``weights_only``
+    unless ``allow_pickle`` (see :mod:`torchrig_fsdp.safe_dcp`)."""
     optimizer_index = 0
     for index, item in enumerate(prepared):
         model = item.unwrapped
         sharded_dir = os.path.join(directory, model_name(index, True))
         full_file = os.path.join(directory, model_name(index, False))
+        plain_file = next((os.path.join(directory, name) for name in plain.model_files(index)
+                           if os.path.isfile(os.path.join(directory, name))), None)
+        is_plain = not os.path.isdir(sharded_dir) and not os.path.isfile(full_file) and plain_file is not None
         if os.path.isdir(sharded_dir):
             state = {"model": get_model_state_dict(model)}
             _dcp_load(state, sharded_dir, f"model {index}", allow_pickle)
             set_model_state_dict(model, state["model"])
         elif os.path.isfile(full_file):
             set_model_state_dict(model, _read_full(run, full_file, allow_pickle), options=_broadcast_options())
+        elif is_plain:  # a single-process or DDP checkpoint: full weights, keyed by name
+            full = plain.read_model_state(directory, index) if _reads(run) else {}
+            set_model_state_dict(model, full, options=_broadcast_options())
         else:
+            described = ""
+            if manifest is not None:
+                saved, now = topology.saved(manifest), topology.current(run)
+                described = (f" It was saved by the strategy {saved.get('strategy')!r} under "
+                             f"{topology.describe(saved)}; this run is {topology.describe(now)}.")
             raise FSDPCheckpointError(
-                f"fsdp: {directory} holds no state for model {index}: neither {model_name(index, True)}/ (sharded) nor "
-                f"{model_name(index, False)} (full); was it saved with another number of models or another strategy?")
+                f"fsdp: {directory} holds no state for model {index}: neither {model_name(index, True)}/ (sharded), "
+                f"{model_name(index, False)} (full) nor {plain.model_files(index)[0]} (plain).{described} Was it saved "
+                "with another number of models, or by a strategy with its own format (load it with that strategy)?")
         for optimizer in item.optimizers:
             sharded_opt = os.path.join(directory, optimizer_name(optimizer_index, True))
             full_opt = os.path.join(directory, optimizer_name(optimizer_index, False))
@@ -209,8 +227,16 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
                 state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
                 _dcp_load(state, sharded_opt, f"optimizer {optimizer_index}", allow_pickle)
                 set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            elif is_plain:  # position-keyed (optimizer.safetensors, or optimizer.bin): re-keyed by name
+                full = {}
+                if _reads(run):
+                    names = {id(param): name for name, param in model.named_parameters()}
+                    ordered = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+                    full = plain.optimizer_by_name(plain.read_optimizer_state(directory, optimizer_index), ordered,
+                                                   f"{directory}: optimizer {optimizer_index}")
+                _load_full_optimizer(run, model, optimizer, full, f"{directory}: optimizer {optimizer_index}")
             elif os.path.isfile(full_opt):
-                _load_full_optimizer(run, model, optimizer, full_opt, allow_pickle)
+                _load_full_optimizer(run, model, optimizer, _read_full(run, full_opt, allow_pickle), full_opt)
             else:
                 raise FSDPCheckpointError(f"fsdp: {directory} holds no state for optimizer {optimizer_index} "
                                           f"({optimizer_name(optimizer_index, True)}/ or "
@@ -218,12 +244,17 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
             optimizer_index += 1
 
 
+def _reads(run: RunContext) -> bool:
+    """Full state is read by rank 0 and broadcast; with one process, by it."""
+    return not _distributed() or run.cluster.is_main_process
+
+
 def _broadcast_options() -> Any:
     """Full state dicts are read on rank 0 and broadcast (the others pass ``{}``)."""
     return _options(full_state_dict=True, broadcast_from_rank0=True) if _distributed() else _options(full_state_dict=True)
 
 
-def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, path: str, allow_pickle: bool) -> None:
+def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, full: dict[str, Any], path: str) -> None:
     """Load a full optimizer state dict into a sharded optimizer.
 
     torch's ``set_optimizer_state_dict`` cannot distribute a full state to an optimizer that keeps
@@ -231,7 +262,6 @@ def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, path: str,
     optimizer's whole state is its param groups' hyperparameters, which are restored directly —
     read on rank 0 and broadcast, as the tensors would be.
     """
-    full = _read_full(run, path, allow_pickle)
     local = get_optimizer_state_dict(model, optimizer)  # also creates lazily-made state, as loading would
     keeps_tensors = any(isinstance(value, torch.Tensor) and value.dim() > 0
                         for per_param in local.get("state", {}).values() for value in per_param.values())

@@ -39,6 +39,7 @@ from torchrig_fsdp import async_tp, pipeline, submeshes
 from torchrig_fsdp import checkpoint as fsdp_checkpoint
 from torchrig_fsdp import mesh as nd
 from torchrig_fsdp.manifest import HYBRID, SECTION
+from torchrig_fsdp.materialize import MaterializeError, materialize, meta_modules
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
 logger = get_logger(__name__)
@@ -173,6 +174,8 @@ class FSDPStrategy:
         if mesh is None:  # one process: nothing to shard
             if device_placement and not _has_meta(model):
                 model.to(device)
+            if _has_meta(model) and not fsdp_options(run).cpu_ram_efficient_loading:
+                _materialize(model, fsdp_options(run), None, device, run)
             return prepared
         options = fsdp_options(run)
         slots = _parameter_slots(model)
@@ -275,8 +278,8 @@ class FSDPStrategy:
 
     @hookimpl
     def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str,
-                                     allow_pickle: bool) -> bool:
-        fsdp_checkpoint.load_state(run, prepared, directory, allow_pickle)
+                                     manifest: Any, allow_pickle: bool) -> bool:
+        fsdp_checkpoint.load_state(run, prepared, directory, allow_pickle, manifest)
         return True
 
     @hookimpl
@@ -514,24 +517,21 @@ def _broadcast_from_rank0(model: torch.nn.Module) -> None:
 def _materialize(model: torch.nn.Module, options: FullyShardedDataParallelPlugin, rank0_state: dict[str, Any] | None,
                  device: torch.device, run: RunContext) -> None:
     """Meta-device parameters get storage after sharding (each rank only its shard); then either
-    rank 0's weights are broadcast into them (``cpu_ram_efficient_loading``) or ``param_init_fn``
-    initialises each module that had meta tensors."""
-    meta_modules = [m for m in model.modules()
-                    if any(t.is_meta for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])]
-    if meta_modules:
+    rank 0's weights are broadcast into them (``cpu_ram_efficient_loading``) or each module that
+    had meta tensors is initialised on rank 0 and sharded out (:mod:`torchrig_fsdp.materialize`)."""
+    modules = meta_modules(model)
+    if modules:
         model.to_empty(device=device)
     if rank0_state is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, rank0_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    elif meta_modules:
-        if options.param_init_fn is None:
-            raise FSDPConfigError(
-                f"{SECTION}.param_init_fn: the model has parameters on the meta device but nothing initialises them; "
-                "pass FullyShardedDataParallelPlugin(param_init_fn=...) or set cpu_ram_efficient_loading: true with "
-                "real weights on rank 0")
-        for module in meta_modules:
-            options.param_init_fn(module)
+    elif modules:
+        try:
+            materialize(model, modules, options.param_init_fn, device, run.cluster.is_main_process,
+                        f"{SECTION}.param_init_fn")
+        except MaterializeError as exc:
+            raise FSDPConfigError(str(exc)) from None
 
 
 # -- the step plan ------------------------------------------------------------------------------
