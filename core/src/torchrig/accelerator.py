@@ -17,20 +17,21 @@ import gc
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from torchrig import run_status
 from torchrig.accelerator_arguments import accelerator_arguments
-from torchrig.checkpoint.export import parse_size, save_object, save_weights
+from torchrig.accelerator_checkpoints import CheckpointCalls
+from torchrig.accelerator_collectives import CollectiveCalls
+from torchrig.accelerator_tracking import TrackingCalls
 from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.checkpoint.manager import CheckpointManager
-from torchrig.collectives import Collectives
 from torchrig.compile import compile_model
 from torchrig.compile_check import CompileVerifier
-from torchrig.config.options import PreemptionConfig, ProfileKwargs, ThroughputMonitorConfig
+from torchrig.config.options import PreemptionConfig, ProfileKwargs
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.context_parallel import context_parallel
 from torchrig.conversion import convert_model
@@ -39,23 +40,22 @@ from torchrig.defaults import training as training_defaults
 from torchrig.enums import RNGType
 from torchrig.errors import ConfigError
 from torchrig.gradient_state import gradient_state_of
-from torchrig.nested import convert_to_fp32, recursively_apply
+from torchrig.nested import convert_to_fp32
 from torchrig.optimizer import AcceleratedOptimizer
 from torchrig.plugin_host import PluginHost
 from torchrig.preemption import Preempted, install_signal_handlers, run_requeue_command
 from torchrig.preemption_watch import PreemptionWatch
-from torchrig.process import AcceleratorState, ProcessControl
+from torchrig.process import AcceleratorState
 from torchrig.profiling import profile_options, profile_run
 from torchrig.run import RunContext
 from torchrig.runtime import build_step_plan, declared_precision_type, end_run, open_run
 from torchrig.step_contexts import AccumulateContext, adjusted_autocast
 from torchrig.step_plan import StepPlan
-from torchrig.throughput import ThroughputMonitor, device_peak_flops, estimate_flops_per_token
 from torchrig.tracking import TrackerHub
 from torchrig.types import Capabilities, PreparedModel
 
 
-class Accelerator(ProcessControl):
+class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls):
     """Run one training script on one process or many, under the configured strategy.
 
     Arguments follow Hugging Face Accelerate's; ``strategy``, ``config_file`` and
@@ -171,35 +171,6 @@ class Accelerator(ProcessControl):
         self.gradient_state.step_boundary = watch.at_step_boundary
         return watch
 
-    def _arm_throughput(self) -> ThroughputMonitor:
-        """The monitor behind ``accelerator.throughput``; it measures only on the main process and
-        only when ``throughput_monitor.enabled`` (then :meth:`_step_plan` wraps ``optimizer_step``)."""
-        options = self._run.section(ThroughputMonitorConfig)
-        peak = options.peak_flops_per_device
-        if peak is None and options.enabled:
-            peak = device_peak_flops(self.device, self.mixed_precision)
-        state = self.gradient_state
-
-        def samples_per_step() -> int | None:
-            loader = state.active_dataloaders[-1] if state.active_dataloaders else None
-            size = getattr(loader, "total_batch_size", None)
-            return None if size is None else size * state.num_steps
-
-        def flops_per_token() -> float | None:
-            seq = options.tokens_per_sample
-            return None if seq is None or not self._models else estimate_flops_per_token(self._models[0].unwrapped, seq)
-
-        return ThroughputMonitor(options, world_size=self.num_processes, device=self.device,
-                                 active=options.enabled and self.is_main_process, log=self.log,
-                                 samples_per_step=samples_per_step, flops_per_token=flops_per_token,
-                                 peak_flops_per_device=peak)
-
-    @property
-    def throughput(self) -> ThroughputMonitor:
-        """The throughput monitor (``throughput_monitor`` config): ``latest`` values, ``progress()``,
-        ``update(samples=..., tokens=...)``; docs/trackers.md, "Throughput and MFU"."""
-        return self._throughput
-
     def _stop_for_preemption(self, signal_name: str) -> None:
         """Every rank, at the same step boundary: commit a checkpoint, end the run, requeue, exit."""
         assert self._preemption is not None
@@ -280,32 +251,6 @@ class Accelerator(ProcessControl):
         if logging_dir is None:
             return project_dir
         return os.path.join(project_dir, logging_dir) if project_dir else logging_dir
-
-    # -- experiment tracking (torchrig.tracking; docs/trackers.md) ---------------------------
-
-    def init_trackers(self, project_name: str, config: Mapping[str, Any] | None = None,
-                      init_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        """Start one run per tracker of ``log_with`` — on the main process only — and record
-        ``config`` plus the resolved torchrig configuration (with sources) once. ``init_kwargs``:
-        ``{tracker name: arguments}`` (e.g. ``{"wandb": {"entity": "me"}}``). Call on every rank."""
-        self._trackers.init(project_name, config, init_kwargs, logging_dir=self.logging_dir)
-
-    def log(self, values: Mapping[str, Any], step: int | None = None,
-            log_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        """Send ``values`` at ``step`` (None: the step after the last one) to every tracker;
-        returns at once — trackers run on background threads and never stop training."""
-        self._trackers.log(values, step, log_kwargs)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker ``name`` (calls through it are queued like ``log``), or with ``unwrap`` the
-        library's own object (W&B run, SummaryWriter...). On ranks where it does not run: a
-        stand-in whose calls do nothing."""
-        return self._trackers.get(name, unwrap)
-
-    @property
-    def trackers(self) -> list[Any]:
-        """The trackers running on this process (none on ranks other than the main one)."""
-        return self._trackers.handles
 
     def end_training(self) -> dict[str, dict[str, Any]]:
         """Finish every tracker (each waited for at most its ``wait_timeout``); returns this
@@ -584,77 +529,10 @@ class Accelerator(ProcessControl):
         self.unscale_gradients()
         (self._plan or self._step_plan()).clip_grad_value(parameters, clip_value)
 
-    # -- collectives ------------------------------------------------------------------------
-
-    @property
-    def _collectives(self) -> Any:
-        assert self._run.collectives is not None
-        return self._run.collectives
-
-    def gather(self, tensor: Any, *, over: str = "world") -> Any:
-        """Concatenate every process's tensors along dim 0 (nested structures, uneven sizes).
-        ``over="data"``: only the data-parallel ranks (one per tensor/context-parallel group)."""
-        return self._collectives_over(over).gather(tensor)
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather for evaluation: on the last batch of a prepared dataloader, drop the samples
-        repeated to make batches even, so metrics count every sample exactly once. Gathers over
-        the data-parallel ranks (the ranks of a tensor-parallel group share their batches)."""
-        tensors_only = not use_gather_object and _all_tensors(input_data)
-        collectives = self._data_parallel_collectives()
-        data = collectives.gather(input_data) if tensors_only else collectives.gather_object(input_data)
-        state = self.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            if tensors_only:
-                return recursively_apply(lambda t: t[: state.remainder], data)
-            return data[: state.remainder]
-        return data
-
-    def _data_parallel_collectives(self) -> Any:
-        caps = self._run.capabilities  # declared at the first prepare(), which every prepared loader went through
-        if caps is None or caps.data_parallel_group is None:
-            return self._collectives
-        return Collectives(world_size=caps.data_parallel_size or 1, group=caps.data_parallel_group)
-
-    def _collectives_over(self, over: str) -> Any:
-        if over == "world":
-            return self._collectives
-        if over == "data":
-            return self._data_parallel_collectives()
-        raise ValueError(f"over={over!r}: choose 'world' (every process) or 'data' (the data-parallel ranks)")
-
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0, *, over: str = "world") -> Any:
-        """Reduce across every process (``over="data"``: the data-parallel ranks only, so a ``sum``
-        counts each sample once under tensor/context parallel)."""
-        result = self._collectives_over(over).reduce(tensor, reduction)
-        if scale != 1.0:
-            result = recursively_apply(lambda t: t * scale, result)
-        return result
-
-    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-        """Pad ``dim`` of every tensor to the largest size over all processes."""
-        return self._collectives.pad_across(tensor, dim, pad_index, pad_first)
-
     def wait_for_everyone(self) -> None:
         """Barrier; also where a failed asynchronous checkpoint save is raised (every rank)."""
         self._checkpoints.wait()
         super().wait_for_everyone()
-
-    def set_trigger(self) -> None:
-        """Raise a flag on this process that ``check_trigger`` sees on every process."""
-        import torch
-
-        self.flag_tensor = torch.tensor(1, device=self.device)
-
-    def check_trigger(self) -> bool:
-        """Whether any process called ``set_trigger`` (collective; resets the flag)."""
-        import torch
-
-        flag = self.flag_tensor if self.flag_tensor is not None else torch.tensor(0, device=self.device)
-        if int(self._collectives.reduce(flag, "sum").item()) >= 1:
-            self.flag_tensor = torch.tensor(0, device=self.device)
-            return True
-        return False
 
     # -- models -------------------------------------------------------------------------------
 
@@ -718,94 +596,6 @@ class Accelerator(ProcessControl):
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         return standalone_data.skip_first_batches(dataloader, num_batches)
 
-    # -- checkpoints (torchrig.checkpoint; docs/checkpoints.md) -------------------------------
-
-    @property
-    def save_iteration(self) -> int:
-        """Number of the next automatically named checkpoint (restored by ``load_state``)."""
-        return self._checkpoints.iteration
-
-    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
-                   overwrite: bool = False, async_save: bool | None = None, hashes: bool | None = None) -> str:
-        """Save models, optimizers, schedulers, scaler, dataloader positions, RNG of every rank,
-        counters and registered objects as one committed checkpoint; returns its directory.
-
-        With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` it is
-        ``<project_dir>/checkpoints/checkpoint_<iteration>`` (``output_dir``, if given, replaces
-        the ``checkpoints`` root) and ``total_limit`` old ones are deleted after the commit.
-        ``async_save`` (default ``ProjectConfiguration.async_save``) returns after the copy to
-        CPU memory; ``hashes`` (default ``checkpoint_hashes``) records sha256 of every file.
-        """
-        return self._checkpoints.save(output_dir, safe_serialization, overwrite=overwrite, async_save=async_save,
-                                      hashes=hashes)
-
-    def load_state(self, input_dir: str | os.PathLike | None = None, *, allow_config_change: bool = False,
-                   allow_world_size_change: bool = False, verify_hashes: bool = False, allow_pickle: bool = False,
-                   skip_damaged: bool = False, **_accelerate: Any) -> str:
-        """Load a committed checkpoint — by default the project's newest — into everything
-        prepared and registered; returns its directory. Never starts fresh silently: no
-        checkpoint, a damaged one, or a changed configuration or world size is an error.
-        ``skip_damaged`` resumes from the newest intact checkpoint past damaged newer ones;
-        ``allow_pickle`` unpickles files the safe loader refuses — it can run code from the
-        checkpoint, so only for checkpoints you trust (docs/checkpoints.md, trust model)."""
-        if _accelerate:  # Accelerate's load_model_func_kwargs go to its own model loader
-            raise TypeError(f"load_state(): unsupported arguments {sorted(_accelerate)}")
-        return self._checkpoints.load(input_dir, allow_config_change=allow_config_change,
-                                      allow_world_size_change=allow_world_size_change, verify_hashes=verify_hashes,
-                                      allow_pickle=allow_pickle, skip_damaged=skip_damaged)
-
-    def latest_checkpoint(self, root: str | os.PathLike | None = None, *, skip_damaged: bool = False) -> str | None:
-        """The newest committed checkpoint (default: under ``<project_dir>/checkpoints``), or
-        None — to resume when there is one and start fresh otherwise. A damaged newer one is an
-        error naming it unless ``skip_damaged``."""
-        return self._checkpoints.latest(root, skip_damaged=skip_damaged)
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and load these objects (each with ``state_dict``/``load_state_dict``) with every checkpoint."""
-        invalid = [f"#{i} ({type(o).__name__})" for i, o in enumerate(objects)
-                   if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
-        if invalid:
-            raise ValueError(f"register_for_checkpointing: {', '.join(invalid)} lack state_dict()/load_state_dict()")
-        self._ledger.custom_objects.extend(objects)
-
-    def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> Any:
-        """``hook(models, weights, output_dir)`` runs before a save; removing a model (or its
-        weights) from the lists saves that model by the hook alone. Returns a removable handle."""
-        from torch.utils.hooks import RemovableHandle
-
-        handle = RemovableHandle(self._checkpoints.save_pre_hooks)
-        self._checkpoints.save_pre_hooks[handle.id] = hook
-        return handle
-
-    def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> Any:
-        """``hook(models, input_dir)`` runs before a load; removing a model skips loading it."""
-        from torch.utils.hooks import RemovableHandle
-
-        handle = RemovableHandle(self._checkpoints.load_pre_hooks)
-        self._checkpoints.load_pre_hooks[handle.id] = hook
-        return handle
-
-    def save_model(self, model: Any, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
-                   safe_serialization: bool = True) -> list[str]:
-        """Full weights (gathered from shards) as ``model.safetensors`` or shards with an index;
-        collective. Returns the files written (empty on ranks that write nothing)."""
-        parse_size(max_shard_size)  # a bad size fails on every rank, before any gathering
-        state = self.get_state_dict(model)
-        written = save_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization) \
-            if self._writes_files else []
-        self.wait_for_everyone()
-        return written
-
-    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
-        """Write ``obj`` once per job (once per node with ``save_on_each_node``), atomically."""
-        if self._writes_files:
-            save_object(obj, os.fspath(f), safe_serialization)
-
-    @property
-    def _writes_files(self) -> bool:
-        """Whether this process writes ``save``/``save_model`` files: the main process, or each
-        node's local main process with ``save_on_each_node``."""
-        return self.is_main_process or (self.config["project_config.save_on_each_node"] and self.is_local_main_process)
 
 
 def _live_param_ids(prepared: PreparedModel) -> set[int]:
@@ -823,18 +613,6 @@ def _is_scheduler(obj: Any) -> bool:
     return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
         hasattr(obj, "step") and hasattr(obj, "optimizer") and hasattr(obj, "get_last_lr")
     )
-
-
-def _all_tensors(data: Any) -> bool:
-    import torch
-
-    if isinstance(data, torch.Tensor):
-        return True
-    if isinstance(data, Mapping):
-        return all(_all_tensors(v) for v in data.values())
-    if isinstance(data, (list, tuple)):
-        return all(_all_tensors(v) for v in data)
-    return False
 
 
 __all__ = ["Accelerator"]

@@ -1,0 +1,118 @@
+"""The Accelerator's checkpoint calls (``save_state``, ``load_state``, registration, ``save_model``,
+``save``): thin over :class:`~torchrig.checkpoint.manager.CheckpointManager`, which owns the commit
+protocol (docs/checkpoints.md); here are only the Accelerate-shaped signatures and who writes files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.hooks import RemovableHandle
+
+from torchrig.checkpoint.export import parse_size, save_object, save_weights
+from torchrig.checkpoint.ledger import CheckpointLedger
+from torchrig.checkpoint.manager import CheckpointManager
+from torchrig.config.resolve import ResolvedConfig
+
+
+class CheckpointCalls:
+    """Checkpoints of an :class:`~torchrig.Accelerator` (its ledger of prepared objects and its manager)."""
+
+    _checkpoints: CheckpointManager
+    _ledger: CheckpointLedger
+    config: ResolvedConfig
+    is_main_process: bool
+    is_local_main_process: bool
+
+    if TYPE_CHECKING:  # the Accelerator's own (declared here for type checkers only: no stub may shadow them)
+        def get_state_dict(self, model: Any, unwrap: bool = True) -> dict[str, Any]: ...
+
+        def wait_for_everyone(self) -> None: ...
+
+    @property
+    def save_iteration(self) -> int:
+        """Number of the next automatically named checkpoint (restored by ``load_state``)."""
+        return self._checkpoints.iteration
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
+                   overwrite: bool = False, async_save: bool | None = None, hashes: bool | None = None) -> str:
+        """Save models, optimizers, schedulers, scaler, dataloader positions, RNG of every rank,
+        counters and registered objects as one committed checkpoint; returns its directory.
+
+        With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` it is
+        ``<project_dir>/checkpoints/checkpoint_<iteration>`` (``output_dir``, if given, replaces
+        the ``checkpoints`` root) and ``total_limit`` old ones are deleted after the commit.
+        ``async_save`` (default ``ProjectConfiguration.async_save``) returns after the copy to
+        CPU memory; ``hashes`` (default ``checkpoint_hashes``) records sha256 of every file.
+        """
+        return self._checkpoints.save(output_dir, safe_serialization, overwrite=overwrite, async_save=async_save,
+                                      hashes=hashes)
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, *, allow_config_change: bool = False,
+                   allow_world_size_change: bool = False, verify_hashes: bool = False, allow_pickle: bool = False,
+                   skip_damaged: bool = False, **_accelerate: Any) -> str:
+        """Load a committed checkpoint — by default the project's newest — into everything
+        prepared and registered; returns its directory. Never starts fresh silently: no
+        checkpoint, a damaged one, or a changed configuration or world size is an error.
+        ``skip_damaged`` resumes from the newest intact checkpoint past damaged newer ones;
+        ``allow_pickle`` unpickles files the safe loader refuses — it can run code from the
+        checkpoint, so only for checkpoints you trust (docs/checkpoints.md, trust model)."""
+        if _accelerate:  # Accelerate's load_model_func_kwargs go to its own model loader
+            raise TypeError(f"load_state(): unsupported arguments {sorted(_accelerate)}")
+        return self._checkpoints.load(input_dir, allow_config_change=allow_config_change,
+                                      allow_world_size_change=allow_world_size_change, verify_hashes=verify_hashes,
+                                      allow_pickle=allow_pickle, skip_damaged=skip_damaged)
+
+    def latest_checkpoint(self, root: str | os.PathLike | None = None, *, skip_damaged: bool = False) -> str | None:
+        """The newest committed checkpoint (default: under ``<project_dir>/checkpoints``), or
+        None — to resume when there is one and start fresh otherwise. A damaged newer one is an
+        error naming it unless ``skip_damaged``."""
+        return self._checkpoints.latest(root, skip_damaged=skip_damaged)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and load these objects (each with ``state_dict``/``load_state_dict``) with every checkpoint."""
+        invalid = [f"#{i} ({type(o).__name__})" for i, o in enumerate(objects)
+                   if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
+        if invalid:
+            raise ValueError(f"register_for_checkpointing: {', '.join(invalid)} lack state_dict()/load_state_dict()")
+        self._ledger.custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        """``hook(models, weights, output_dir)`` runs before a save; removing a model (or its
+        weights) from the lists saves that model by the hook alone. Returns a removable handle."""
+        handle = RemovableHandle(self._checkpoints.save_pre_hooks)
+        self._checkpoints.save_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        """``hook(models, input_dir)`` runs before a load; removing a model skips loading it."""
+        handle = RemovableHandle(self._checkpoints.load_pre_hooks)
+        self._checkpoints.load_pre_hooks[handle.id] = hook
+        return handle
+
+    def save_model(self, model: Any, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> list[str]:
+        """Full weights (gathered from shards) as ``model.safetensors`` or shards with an index;
+        collective. Returns the files written (empty on ranks that write nothing)."""
+        parse_size(max_shard_size)  # a bad size fails on every rank, before any gathering
+        state = self.get_state_dict(model)
+        written = save_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization) \
+            if self._writes_files else []
+        self.wait_for_everyone()
+        return written
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Write ``obj`` once per job (once per node with ``save_on_each_node``), atomically."""
+        if self._writes_files:
+            save_object(obj, os.fspath(f), safe_serialization)
+
+    @property
+    def _writes_files(self) -> bool:
+        """Whether this process writes ``save``/``save_model`` files: the main process, or each
+        node's local main process with ``save_on_each_node``."""
+        return self.is_main_process or (self.config["project_config.save_on_each_node"] and self.is_local_main_process)
+
+
+__all__ = ["CheckpointCalls"]
