@@ -14,6 +14,7 @@ every measured row meets its goal.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -72,7 +73,7 @@ def main() -> int:
     header = ["id", "what", "torchrig", "goal", "status", *peers]
     table = [[row["id"], row["what"], row["value"], row["goal"],
               {True: "met", False: "MISSED", None: "skipped"}[row["ok"]], *(row["peers"].get(p, "—") for p in peers)]
-             for row in sorted(rows, key=lambda r: int(r["id"][1:]))]
+             for row in sorted(rows, key=_row_order)]
     widths = [min(60, max(len(str(r[i])) for r in [header, *table])) for i in range(len(header))]
     for line in [header, ["-" * w for w in widths], *table]:
         print("  ".join(str(cell)[:60].ljust(width) for cell, width in zip(line, widths)))
@@ -82,6 +83,12 @@ def main() -> int:
     if missed:
         print(f"\ngoals missed: {', '.join(missed)}")
     return 1 if missed or failed_to_run else 0
+
+
+def _row_order(row: dict) -> tuple[int, str]:
+    """B1, B1 monitor, B2, ..., B10: by number, then sub-rows by name."""
+    number = "".join(itertools.takewhile(str.isdigit, row["id"][1:]))
+    return int(number or 0), row["id"]
 
 
 if __name__ == "__main__":

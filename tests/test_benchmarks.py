@@ -69,3 +69,13 @@ def test_mesh_benchmark_runs_both_cpu_rows_and_skips_the_gpu_row_cleanly():
     smoke = subprocess.run([sys.executable, str(BENCH / "bench_mesh.py"), "--cpu-smoke"], capture_output=True,
                            text=True, timeout=600, env=ENV)
     assert smoke.returncode == 0 and "B15 CPU smoke run finished" in smoke.stdout, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+
+
+def test_the_table_orders_rows_by_number_with_sub_rows_after_their_row():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from run_all import _row_order
+    finally:
+        sys.path.remove(str(BENCH))
+    ids = ["B10", "B1 monitor", "B2", "B1", "B16"]
+    assert [i for i in sorted(ids, key=lambda i: _row_order({"id": i}))] == ["B1", "B1 monitor", "B2", "B10", "B16"]
