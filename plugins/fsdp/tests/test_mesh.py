@@ -368,16 +368,22 @@ def test_one_process_asking_for_a_mesh_is_refused_not_run_unsharded(tmp_path):
 SCRIPT = os.path.join(os.path.dirname(__file__), "launch_scripts", "mesh_train.py")
 
 
-def test_launch_four_cpu_processes_from_a_parallelism_config_file(tmp_path):
+#: Accelerate's spelling in the file (parallelism_config_<axis>_size) for the sizes, torchrig's for the plan.
+_ACCELERATE_SPELLING = {"dp_replicate_size": "parallelism_config_dp_replicate_size",
+                        "dp_shard_size": "parallelism_config_dp_shard_size", "tp_size": "parallelism_config_tp_size"}
+
+
+@pytest.mark.parametrize("layout", ["fsdp2xtp", "tp4", "hsdp"])
+def test_launch_four_cpu_processes_from_a_parallelism_config_file(tmp_path, layout):
     from safetensors.torch import load_file
 
+    options, dp_size, mesh = LAYOUTS[layout]
     out = tmp_path / "out"
     out.mkdir()
     config = tmp_path / "mesh.yaml"
     config.write_text(json.dumps({
         "distributed_type": "FSDP",
-        "parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 2,
-                               "tp_plan": TP_PLAN},
+        "parallelism_config": {_ACCELERATE_SPELLING.get(key, key): value for key, value in options.items()},
         "gradient_accumulation_steps": ACCUMULATION,
     }))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
@@ -387,16 +393,20 @@ def test_launch_four_cpu_processes_from_a_parallelism_config_file(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, start_new_session=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reports = [json.loads((out / f"report-{rank}.json").read_text()) for rank in range(4)]
-    reference = _reference(2)
-    for rank, report in enumerate(reports):
-        assert report["mesh"] == {"dp_shard": 2, "tp": 2} and report["dp"] == [2, rank // 2]
+    reference = _reference(dp_size)
+    by_dp_rank: dict[int, dict] = {}
+    for report in reports:
+        assert report["mesh"] == mesh and report["dp"][0] == dp_size
         assert not os.path.exists(f"/proc/{report['pid']}"), "a worker survived the launch"
+        by_dp_rank.setdefault(report["dp"][1], report)
+    assert sorted(by_dp_rank) == list(range(dp_size))  # tp ranks of one replica share a data-parallel rank
     for step, expected in enumerate(reference["losses"]):
-        assert (reports[0]["losses"][step] + reports[2]["losses"][step]) / 2 == pytest.approx(expected, rel=1e-4)
+        mean = sum(report["losses"][step] for report in by_dp_rank.values()) / dp_size
+        assert mean == pytest.approx(expected, rel=1e-4)
     params = torch.load(out / "params.pt")
     for name, expected in reference["params"].items():
         torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=1e-5)
-    # save_model gathers the FSDP2 x TP layout into one safetensors file a plain model loads
+    # save_model gathers the layout into one safetensors file a plain model loads
     weights = load_file(out / "weights" / "model.safetensors")
     plain = TinyLM()
     plain.load_state_dict(weights)
