@@ -114,10 +114,12 @@ def test_compiled_module_not_the_one_called_is_named_in_a_warning():
     assert "never called" in str(caught[0].message)
 
 
-def test_disabled_dynamo_is_reported(monkeypatch):
+def test_disabled_dynamo_is_reported():
     accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager"))
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    caught = _train(accelerator, Stack())
+    # torch's own patch: pytest >= 9.2's monkeypatch deletes a module attribute it did not find in the
+    # module's __dict__ on undo, which hides the option from torch's config module for the rest of the session
+    with torch._dynamo.config.patch(disable=True):
+        caught = _train(accelerator, Stack())
     stats = accelerator.compile_report()["modules"]["Stack"]
     assert stats["calls"] == CHECK_AFTER_STEPS and stats["compiled"] is False
     assert len(caught) == 1 and "ran eager every time" in str(caught[0].message)
