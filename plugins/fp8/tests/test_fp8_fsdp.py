@@ -9,6 +9,7 @@ import pytest
 import torch
 from fp8_models import TinyLM, batches, lm_loss
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,16 +19,8 @@ STEPS = 12
 
 @pytest.fixture(scope="module")
 def pool():
-    from torchrig.testing.pool import WorkerPool
-    from torchrig.testing.processes import leftover_processes
-
-    workers = WorkerPool(world_size=2, env={"OMP_NUM_THREADS": "1"})
-    try:
+    with checked_pool(2, env={"OMP_NUM_THREADS": "1"}) as workers:
         yield workers
-    finally:
-        workers.close()
-        left = leftover_processes(sorted(workers.started_pids))
-        assert not left, f"the 2-rank pool left processes behind: {left}"
 
 
 def _train(ctx, recipe: str = "tensorwise", all_gather=None):

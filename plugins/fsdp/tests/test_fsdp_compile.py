@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.effects import assert_compiled, count_compilation
+from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,16 +21,8 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def pool():
-    from torchrig.testing.pool import WorkerPool
-    from torchrig.testing.processes import leftover_processes
-
-    workers = WorkerPool(world_size=2, env={"OMP_NUM_THREADS": "1"})
-    try:
+    with checked_pool(2, env={"OMP_NUM_THREADS": "1"}) as workers:
         yield workers
-    finally:
-        workers.close()
-        left = leftover_processes(sorted(workers.started_pids))
-        assert not left, f"the 2-rank pool left processes behind: {left}"
 
 
 class Block(nn.Module):

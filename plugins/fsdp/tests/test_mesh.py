@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,16 +30,8 @@ from mesh_model import TP_PLAN, TP_SP_PLAN, TinyLM, make_data  # noqa: E402
 
 @pytest.fixture(scope="module")
 def pool():
-    from torchrig.testing.pool import WorkerPool
-    from torchrig.testing.processes import leftover_processes
-
-    workers = WorkerPool(world_size=4, env={"OMP_NUM_THREADS": "1"})
-    try:
+    with checked_pool(4, env={"OMP_NUM_THREADS": "1"}) as workers:
         yield workers
-    finally:
-        workers.close()
-        left = leftover_processes(sorted(workers.started_pids))
-        assert not left, f"the 4-rank pool left processes behind: {left}"
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,8 @@ def _train(ctx, parallelism: dict, dp_size: int, save: str | None = None):
         return {"losses": losses, "norms": norms, "params": params, "evaluated": evaluated,
                 "dp": (caps.data_parallel_size, caps.data_parallel_rank),
                 "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
-                "optimizer_params": sum(len(group["params"]) for group in optimizer.param_groups)}
+                "optimizer_params": sum(len(group["params"]) for group in optimizer.param_groups),
+                "schedule": type(model.schedule).__name__, "microbatches": model.microbatches}
 
 
 def _reference(dp_size: int, epochs: int = 1) -> dict:
@@ -176,6 +177,9 @@ def _check_layout(pools, layout: str, save: str | None = None) -> None:
     for rank, result in enumerate(results):
         stage, dp_rank = rank // per_stage, rank % per_stage // tp_size
         assert result["mesh"] == mesh
+        # the configured schedule runs, with the configured micro-batches (default pp_size)
+        assert result["schedule"] == "Schedule" + parallelism.get("pp_schedule", "1F1B")
+        assert result["microbatches"] == parallelism.get("pp_microbatches", parallelism["pp_size"])
         assert result["dp"] == (dp_size, dp_rank)  # the stages (and tp ranks) of one pipeline share batches
         units = {".".join(name.split(".")[:2]) if name.startswith("layers") else name.split(".")[0]
                  for name in result["params"]}

@@ -88,7 +88,9 @@ from typing import Any
 
 import attrs
 
-__all__ = ["PoolTimeout", "WorkerContext", "WorkerDied", "WorkerError", "WorkerPool"]
+from torchrig.testing.processes import leftover_processes
+
+__all__ = ["PoolTimeout", "WorkerContext", "WorkerDied", "WorkerError", "WorkerPool", "checked_pool"]
 
 #: Environment every worker gets unless ``env`` overrides it: one OpenMP thread per rank keeps
 #: several ranks on a small CI machine from oversubscribing its cores.
@@ -823,6 +825,19 @@ class WorkerPool:
             and not outcome.silent
             and all(reply[0] == "ok" and reply[4] for reply in outcome.replies.values())
         )
+
+
+@contextlib.contextmanager
+def checked_pool(world_size: int, **options: Any) -> Iterator[WorkerPool]:
+    """A :class:`WorkerPool` (``options`` as its own) that is closed on exit and must leave no
+    process behind — the body of a pool fixture (``with checked_pool(4) as pool: yield pool``)."""
+    pool = WorkerPool(world_size=world_size, **options)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        left = leftover_processes(sorted(pool.started_pids))
+        assert not left, f"the {world_size}-rank worker pool left processes behind: {left}"
 
 
 def _is_our_child(pid: int) -> bool:

@@ -62,16 +62,10 @@ def fake_modules() -> Iterator[FakeModules]:
 def gloo_pool() -> Iterator[Any]:
     """A 2-rank gloo pool shared by the whole session; no worker may outlive it."""
     # Imported when used: this plugin loads at every pytest start (-p), and the pool needs torch.
-    from torchrig.testing.pool import WorkerPool
-    from torchrig.testing.processes import leftover_processes
+    from torchrig.testing.pool import checked_pool
 
-    pool = WorkerPool(world_size=2)
-    try:
+    with checked_pool(2) as pool:
         yield pool
-    finally:
-        pool.close()
-        left = leftover_processes(sorted(pool.started_pids))
-        assert not left, f"gloo worker pool left processes behind: {left}"
 
 
 @pytest.fixture

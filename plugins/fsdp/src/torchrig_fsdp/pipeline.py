@@ -247,6 +247,11 @@ class PipelineParallel(torch.nn.Module):
         self._pipeline = (schedule, stages, group)
         self.microbatches = microbatches
 
+    @property
+    def schedule(self) -> Any:
+        """The ``torch.distributed.pipelining`` schedule this rank runs (``pp_schedule``)."""
+        return self._pipeline[0]
+
     def train(self, mode: bool = True) -> PipelineParallel:
         """Also the stage views of an interleaved rank (clones of ``module``'s root, not its children)."""
         super().train(mode)
