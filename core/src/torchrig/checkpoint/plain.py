@@ -15,12 +15,7 @@ from typing import Any
 
 from torchrig.checkpoint.files import CheckpointError
 from torchrig.checkpoint.layout import numbered
-from torchrig.checkpoint.state_dicts import load_structured, read_model_file
-
-
-def model_files(index: int) -> tuple[str, str]:
-    """The names model ``index`` is saved under: safetensors, or the ``.bin`` without safe serialization."""
-    return numbered("model", index, ".safetensors"), numbered("pytorch_model", index, ".bin")
+from torchrig.checkpoint.state_dicts import load_structured, model_files, read_model_file
 
 
 def read_model_state(directory: str, index: int, location: Any = "cpu") -> dict[str, Any]:

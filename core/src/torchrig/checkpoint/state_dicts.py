@@ -175,10 +175,15 @@ def save_plain_state(run: RunContext, prepared: Sequence[PreparedModel], writer:
     return written
 
 
+def model_files(index: int) -> tuple[str, str]:
+    """The names model ``index`` is saved under: safetensors, or the ``.bin`` without safe serialization."""
+    return numbered("model", index, ".safetensors"), numbered("pytorch_model", index, ".bin")
+
+
 def _check_plain(run: RunContext, directory: str, manifest: Mapping[str, Any], models: int) -> None:
     listed = {entry.get("path") for entry in manifest.get("files", []) if isinstance(entry, Mapping)}
     for index in range(models):
-        names = (numbered("model", index, ".safetensors"), numbered("pytorch_model", index, ".bin"))
+        names = model_files(index)
         if not any(name in listed for name in names):
             saved, now = topology.saved(manifest), topology.current(run)
             raise CheckpointError(
@@ -193,11 +198,10 @@ def read_model_file(directory: str, index: int, location: Any = "cpu",
                     into: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The state dict of model ``index`` in a checkpoint, from whichever format it was saved in;
     tensors of ``into`` (a live state dict) that match are read in place."""
-    safe = os.path.join(directory, numbered("model", index, ".safetensors"))
-    if os.path.exists(safe):
-        return read_safetensors(safe, location, into)[0]
-    return torch.load(os.path.join(directory, numbered("pytorch_model", index, ".bin")), map_location=location,
-                      weights_only=True)
+    safe, pickled = model_files(index)
+    if os.path.exists(os.path.join(directory, safe)):
+        return read_safetensors(os.path.join(directory, safe), location, into)[0]
+    return torch.load(os.path.join(directory, pickled), map_location=location, weights_only=True)
 
 
 def load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
@@ -236,4 +240,4 @@ def load_plain_state(run: RunContext, prepared: Sequence[PreparedModel], directo
             load_optimizer_state(optimizer, load_structured(directory, stem, location, live=optimizer.state_dict()))
 
 
-__all__ = ["ALIASES_KEY", "load_optimizer_state", "load_plain_state", "load_structured", "read_model_file", "save_plain_state", "save_structured", "split_aliases"]
+__all__ = ["ALIASES_KEY", "load_optimizer_state", "load_plain_state", "model_files", "load_structured", "read_model_file", "save_plain_state", "save_structured", "split_aliases"]
