@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from torchrig.config.options import GradScalerKwargs
+from torchrig.config.options import AutocastKwargs, GradScalerKwargs
 from torchrig.run import RunContext
 
 #: Slot name -> what the callable must do. The signatures are part of the contract.
@@ -137,6 +137,24 @@ def grad_scaler_kwargs(run: RunContext) -> dict[str, Any]:
     return attrs.asdict(run.section(GradScalerKwargs))
 
 
+def install_autocast(run: RunContext, plan: StepPlanBuilder, dtype: Any) -> None:
+    """Set the plan's ``autocast`` slot to ``torch.autocast`` in ``dtype`` on the run's device, with
+    the ``autocast_kwargs`` options: what a mixed-precision plugin installs (bf16, fp16, and fp8's
+    bf16 for the layers it does not convert)."""
+    import torch  # this module is torch-free; a step plan is only ever built with torch loaded
+
+    assert run.device is not None
+    device_type = run.device.autocast_device_type
+    options = run.section(AutocastKwargs)  # each default declared once, on the class
+    enabled = bool(options.enabled)
+    extra = {} if options.cache_enabled is None else {"cache_enabled": bool(options.cache_enabled)}
+
+    def autocast() -> Any:
+        return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, **extra)
+
+    plan.set("autocast", autocast)
+
+
 def install_loss_scaling(plan: StepPlanBuilder, scaler: Any) -> None:
     """Set ``backward``, ``unscale_gradients`` and ``optimizer_step`` to go through ``scaler``
     (a ``torch.amp.GradScaler`` or FSDP's ``ShardedGradScaler``): fp16 training, for the fp16
@@ -163,5 +181,5 @@ def install_loss_scaling(plan: StepPlanBuilder, scaler: Any) -> None:
     plan.set("optimizer_step", optimizer_step)
 
 
-__all__ = ["SLOTS", "StepPlan", "StepPlanBuilder", "default_slots", "grad_scaler_kwargs",
+__all__ = ["SLOTS", "StepPlan", "StepPlanBuilder", "default_slots", "grad_scaler_kwargs", "install_autocast",
            "install_loss_scaling"]

@@ -9,10 +9,9 @@ from typing import Any
 
 import torch
 
-from torchrig.config.options import AutocastKwargs
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
-from torchrig.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_loss_scaling
+from torchrig.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_autocast, install_loss_scaling
 
 
 class PrecisionPlugin:
@@ -31,18 +30,8 @@ class PrecisionPlugin:
 
     @hookimpl
     def torchrig_precision_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
-        if self.dtype is None:
-            return
-        assert run.device is not None
-        device_type, dtype = run.device.autocast_device_type, self.dtype
-        autocast_options = run.section(AutocastKwargs)  # each default declared once, on the class
-        enabled, cache_enabled = bool(autocast_options.enabled), autocast_options.cache_enabled
-        extra = {} if cache_enabled is None else {"cache_enabled": bool(cache_enabled)}
-
-        def autocast() -> Any:
-            return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, **extra)
-
-        plan.set("autocast", autocast)
+        if self.dtype is not None:
+            install_autocast(run, plan, self.dtype)
 
 
 class FullPrecision(PrecisionPlugin):

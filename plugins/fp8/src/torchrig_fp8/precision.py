@@ -14,11 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchrig.config.options import AutocastKwargs
 from torchrig.logging import get_logger
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
-from torchrig.step_plan import StepPlanBuilder
+from torchrig.step_plan import StepPlanBuilder, install_autocast
 
 from torchrig_fp8.convert import ConversionReport, convert, import_float8
 from torchrig_fp8.manifest import device_problem, hardware_problem
@@ -86,16 +85,7 @@ class Float8Precision:
     @hookimpl
     def torchrig_precision_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
         """bf16 autocast for what is not converted (Float8Linear casts its own inputs)."""
-        assert run.device is not None
-        device_type = run.device.autocast_device_type
-        autocast_options = run.section(AutocastKwargs)
-        enabled, cache_enabled = bool(autocast_options.enabled), autocast_options.cache_enabled
-        extra = {} if cache_enabled is None else {"cache_enabled": bool(cache_enabled)}
-
-        def autocast() -> Any:
-            return torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=enabled, **extra)
-
-        plan.set("autocast", autocast)
+        install_autocast(run, plan, torch.bfloat16)
 
     @hookimpl
     def torchrig_wrap_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
