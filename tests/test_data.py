@@ -284,6 +284,66 @@ def test_exception_in_the_loop_body_leaves_the_gradient_state_clean():
     assert gradient_state_of(run).active_dataloaders == []
 
 
+class FixedBatches(Sampler):
+    """A custom batch sampler: uneven batches, the same every epoch."""
+
+    def __init__(self) -> None:
+        self.batches = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10, 11], [12]]
+
+    def __iter__(self):
+        return iter([list(batch) for batch in self.batches])
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(world=1, rank=0, batch_size=4),
+    dict(world=3, rank=1, batch_size=4),
+    dict(world=3, rank=2, batch_size=4, even_batches=False),
+    dict(world=2, rank=1, batch_size=3, drop_last=True),
+    dict(world=2, rank=0, batch_size=4, split_batches=True),
+    dict(world=2, rank=1, batch_sampler=True),
+    dict(world=4, rank=3, batch_sampler=True, even_batches=False),
+    pytest.param(dict(world=2, rank=0, batch_size=2, num_workers=1), marks=pytest.mark.multiprocess),
+])
+def test_the_fast_pass_and_the_look_ahead_pass_agree_on_everything_a_loop_sees(layout):
+    """Map-style passes on the CPU run through C iterators (``_fast_pass``); placing passes and
+    preemption's run the generator (``_iterate``). Same batches, flags, remainder and resume
+    state on every batch, after a break and across epochs — on either path."""
+    layout = dict(layout)
+    world, rank = layout.pop("world"), layout.pop("rank")
+    options = {key: layout.pop(key) for key in ("even_batches", "split_batches") if key in layout}
+    data = TensorDataset(torch.arange(13))
+
+    def build() -> PreparedDataLoader:
+        if layout.get("batch_sampler"):
+            raw = DataLoader(data, batch_sampler=FixedBatches())
+        else:
+            raw = DataLoader(data, shuffle=True, **layout)
+        return shard_dataloader(raw, world, rank, seed=11, **options)
+
+    def observe(loader, passes) -> list:
+        seen = []
+        state = loader.gradient_state
+        for number in range(3):
+            for index, batch in enumerate(passes(loader)):
+                seen.append((number, ids(batch), state.end_of_dataloader, state.remainder, loader.state_dict()))
+                if number == 1 and index == 1:
+                    break
+            seen.append((number, "after", state.active_dataloaders == [], state.remainder, loader.state_dict()))
+        return seen
+
+    fast, look_ahead = build(), build()
+    assert type(iter(build())).__name__ == "chain"  # the fast pass really ran
+    seen = observe(fast, iter)
+    assert seen == observe(look_ahead, PreparedDataLoader._iterate)
+    for number in (0, 2):  # complete passes: the flag is up on the last batch only
+        flags = [end for n, batch, end, _, _ in seen if n == number and batch != "after"]
+        assert flags == [False] * (len(flags) - 1) + [True]
+    assert all(left for _, batch, left, _, _ in seen if batch == "after")  # no pass left active
+
+
 # --------------------------------------------------------------------------------------------
 # one process: position state and resume
 

@@ -16,7 +16,8 @@ class GradientState:
 
     * ``sync_gradients`` — True on the micro-step that ends an accumulation cycle (the optimizer
       steps, gradients are synchronised); False while accumulating.
-    * ``end_of_dataloader`` — the batch just yielded is the last of the active dataloader.
+    * ``end_of_dataloader`` — the batch just yielded is the last of the innermost active
+      dataloader (read off that loader: it keeps no per-batch flag of its own here).
     * ``step_boundary`` — what runs between two batches (preemption's agreement), or None.
     * ``remainder`` — on the last batch: how many samples of the final *global* batch are real
       (the rest repeat earlier samples to keep batches even); -1 when not known / not needed.
@@ -30,8 +31,6 @@ class GradientState:
     #: ``Accelerator(step_scheduler_with_optimizer=...)``: False steps schedulers on every call.
     step_scheduler_with_optimizer: bool = True
     sync_gradients: bool = True
-    end_of_dataloader: bool = False
-    remainder: int = -1
     #: Micro-steps since the last optimizer step (0..num_steps-1).
     step: int = 0
     #: Dataloaders currently being iterated (innermost last).
@@ -45,10 +44,19 @@ class GradientState:
     def in_dataloader(self) -> bool:
         return bool(self.active_dataloaders)
 
+    @property
+    def end_of_dataloader(self) -> bool:
+        loaders = self.active_dataloaders
+        return bool(loaders) and loaders[-1].end_of_dataloader
+
+    @property
+    def remainder(self) -> int:
+        loaders = self.active_dataloaders
+        return loaders[-1].remainder if loaders else -1
+
     def enter_dataloader(self, loader: Any) -> None:
+        """``loader`` (innermost from now on) has ``end_of_dataloader`` and ``remainder``."""
         self.active_dataloaders.append(loader)
-        self.end_of_dataloader = False
-        self.remainder = -1
 
     def exit_dataloader(self, loader: Any) -> None:
         if loader in self.active_dataloaders:

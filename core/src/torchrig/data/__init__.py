@@ -81,14 +81,15 @@ Sharding (``world`` = the strategy's ``data_parallel_size``, else the cluster's 
     With one process nothing is sharded; the loader still owns its generator and places batches.
 
 End of data and ``remainder``
-    The loader reads one batch ahead, so when it yields its last batch of the pass
-    ``gradient_state_of(run).end_of_dataloader`` is already True and ``.remainder`` is the number
-    of *real* samples in the global batch that last batch belongs to: ``m`` when the data did
-    not divide evenly, the full ``G`` when it did (never 0, so ``gathered[:remainder]`` is always
-    right; ``gather`` of the last batch over all ranks, in rank order, puts the real samples
-    first). Between batches it is False and ``remainder`` is -1; after the loop ends (or breaks:
-    the generator's ``finally``) the loader leaves ``active_dataloaders`` and the flags return
-    to those of the enclosing prepared loader, if any.
+    While the loop body runs on the last batch of the pass, ``end_of_dataloader`` is already
+    True (map-style data: the plan knows which batch is each rank's last; streams: the loader
+    reads one batch ahead) and ``.remainder`` is the number of *real* samples in the global batch
+    that last batch belongs to: ``m`` when the data did not divide evenly, the full ``G`` when it
+    did (never 0, so ``gathered[:remainder]`` is always right; ``gather`` of the last batch over
+    all ranks, in rank order, puts the real samples first). On every other batch it is False and
+    ``remainder`` is -1. Both are read off the innermost active loader
+    (``gradient_state_of(run)`` keeps no copy): after the loop ends (or breaks) the loader leaves
+    ``active_dataloaders`` and the flags are those of the enclosing prepared loader, if any.
 
 Position and resume
     ``state_dict()`` is ``{"epoch", "batches_yielded", "samples_yielded",

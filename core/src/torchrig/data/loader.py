@@ -1,11 +1,20 @@
 """The prepared loader: runs a pass of the plan through a rebuilt torch DataLoader, places
-batches, keeps the resume position and the end-of-data flags. ``_iterate`` is the hot path: one
-generator step per batch, a few integer additions, no allocation beyond the batch itself."""
+batches, keeps the resume position and the end-of-data flags.
+
+The hot path is :meth:`PreparedDataLoader._fast_pass` (map-style data, batches already where
+they belong, no preemption armed): the batches come out of torch's loader iterator through C
+iterators only, each batch's :class:`BatchMeta` lands in the pass's ``delivered`` as the batch
+is handed out, and the position and end-of-data flags are read off that meta when asked — no
+frame of torchrig's per batch. Every other pass runs :meth:`PreparedDataLoader._iterate`, a
+generator that reads one batch ahead (streams: to know the last one; devices: to overlap the
+copy), places batches and stops at preemption's step boundaries."""
 
 from __future__ import annotations
 
 import collections
 import copy
+import itertools
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +22,8 @@ import attrs
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
+from torchrig.data.dispatch import dispatched
+from torchrig.data.passes import Pass, PassEnd, Position
 from torchrig.data.plan import (
     LOADER_KWARGS,
     BatchMeta,
@@ -36,22 +47,6 @@ from torchrig.nested import send_to_device
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.collectives import Collectives
-
-
-@attrs.define
-class _Position:
-    samples: int = 0
-    batches: int = 0
-    global_batches: int = 0
-
-
-@attrs.define(eq=False)
-class _Pass:
-    epoch: int
-    position: _Position
-    complete: bool = False
-    running: bool = True
-
 
 
 class PreparedDataLoader:
@@ -101,10 +96,6 @@ class PreparedDataLoader:
         self._even_batches = bool(even_batches)
         self.collectives = collectives
         self.gradient_state = gradient_state if gradient_state is not None else GradientState()
-        #: Set while this loader's last batch of a pass is being processed.
-        self.end_of_dataloader = False
-        #: Real samples of the final global batch (on the last batch), else -1.
-        self.remainder = -1
         #: The user's DataLoader's ``batch_size`` (per rank unless ``split_batches``).
         self.batch_size = dataloader.batch_size
 
@@ -194,13 +185,15 @@ class PreparedDataLoader:
         if hasattr(dataloader, "in_order"):
             self._loader_kwargs["in_order"] = dataloader.in_order
         self._worker_generator = torch.Generator()
+        #: Called with each pass's epoch (HF datasets reshuffle that way); looked up once.
+        self._dataset_set_epoch = getattr(self.dataset, "set_epoch", None)
         self._map_loader: DataLoader | None = None
         self._plan_sampler: PlanBatchSampler | None = None
         self._iterable_loader: DataLoader | None = None
 
         self._next_epoch = 0
-        self._pending: _Position | None = None
-        self._pass: _Pass | None = None
+        self._pending: Position | None = None
+        self._pass: Pass | None = None
         self._len_skip = 0
         #: The loader a skip_first_batches copy was made from: the copy's pass is that loader's next pass.
         self._origin: PreparedDataLoader | None = None
@@ -210,6 +203,17 @@ class PreparedDataLoader:
     @property
     def seed(self) -> int:
         return self._seed
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """True while this loader's last batch of a pass is being processed."""
+        p = self._pass
+        return p is not None and p.running and bool(p.delivered) and p.delivered[0].last
+
+    @property
+    def remainder(self) -> int:
+        """Real samples of the final global batch (on the last batch), else -1."""
+        return self._pass.delivered[0].real_samples if self.end_of_dataloader else -1  # type: ignore[union-attr]
 
     @property
     def epoch(self) -> int:
@@ -264,7 +268,10 @@ class PreparedDataLoader:
     def __len__(self) -> int:
         """This rank's batches in one epoch (minus the batches a pending
         :func:`skip_first_batches` will skip, as in Accelerate)."""
-        return max(0, self._batches_per_epoch() - self._len_skip)
+        skip = self._len_skip
+        if skip and self._pass is not None and self._pass.finished:  # the skipping pass is over
+            skip = 0
+        return max(0, self._batches_per_epoch() - skip)
 
     def _epoch_length(self) -> int:
         return len(self.dataset) if self._kind == "iterable" else len(self.sampler)
@@ -293,11 +300,11 @@ class PreparedDataLoader:
         if self._pass is not None and not self._pass.running:
             self._pass = None
 
-    def _current(self) -> tuple[int, _Position]:
+    def _current(self) -> tuple[int, Position]:
         p = self._pass
-        if p is not None and not p.complete:
+        if p is not None and not p.finished:
             return p.epoch, p.position
-        return self._next_epoch, self._pending or _Position()
+        return self._next_epoch, self._pending or Position()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next pass starts if this state is loaded (module docstring)."""
@@ -319,7 +326,7 @@ class PreparedDataLoader:
         if isinstance(self.sampler, SeedableRandomSampler):
             self.sampler.seed = self._seed
         self._next_epoch = int(state_dict["epoch"])
-        self._pending = _Position(
+        self._pending = Position(
             samples=int(state_dict.get("samples_yielded", 0)),
             batches=int(state_dict.get("batches_yielded", 0)),
             global_batches=int(state_dict.get("global_batches_yielded", 0)),
@@ -343,7 +350,7 @@ class PreparedDataLoader:
             assert layout.global_size is not None and layout.per_rank is not None
             samples = num_batches * layout.global_size
             global_batches = num_batches * layout.world
-        clone._pending = _Position(samples=samples, batches=num_batches, global_batches=global_batches)
+        clone._pending = Position(samples=samples, batches=num_batches, global_batches=global_batches)
         clone._len_skip = num_batches
         clone._origin = self._origin or self
         return clone
@@ -398,8 +405,8 @@ class PreparedDataLoader:
     def _epoch_order(self, epoch: int) -> tuple[Any, int]:
         sampler = self.sampler
         if self._sampler_kind == "seedable":
-            order = sampler.order(epoch)
-            return order, len(order)
+            listed = sampler.order(epoch).tolist()  # once per epoch: slicing a list per batch is cheap
+            return listed, len(listed)
         if self._sampler_kind == "sequential":
             n = len(sampler)
             return range(n), n
@@ -416,111 +423,53 @@ class PreparedDataLoader:
         with lent_generator([batches, getattr(batches, "sampler", None)], epoch_seed(self._seed, epoch)):
             return [list(batch) for batch in batches]
 
-    def _map_source(self, p: _Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
-        """(batch, meta) of the map-style pass, for the given slots, from the rebuilt loader: the
-        plan records each batch's meta as the loader takes its indices; they pair up in order."""
+    def _map_batches(self, p: Pass, slots: Sequence[int]) -> tuple[Iterator[Any], Iterator[BatchMeta]]:
+        """(batches, their metas) of the map-style pass, for the given slots: the rebuilt loader's
+        iterator, and the FIFO the plan records each batch's meta in as the loader takes its
+        indices (ahead of the batch with workers); they pair up in order (DataLoader keeps it)."""
         fifo: collections.deque[BatchMeta] = collections.deque()
         if self._kind == "batches":
             batches = self._epoch_batches(p.epoch)
-            start = p.position.global_batches
-            p.position.samples = sum(len(batch) for batch in batches[:start])
+            start = p.start.global_batches
+            p.start.samples = sum(len(batch) for batch in batches[:start])
             parts = batch_parts(batches, start, self._layout, slots, fifo.append)
         else:
             order, n = self._epoch_order(p.epoch)
-            parts = index_parts(order, n, p.position.samples, self._layout, slots, fifo.append)
+            parts = index_parts(order, n, p.start.samples, self._layout, slots, fifo.append)
         self._plan().source = parts
-        # C iterators only: no Python frame per batch between the torch loader and the pass.
-        return zip(iter(self._rebuilt_map_loader()), iter(fifo.popleft, None))
+        return iter(self._rebuilt_map_loader()), iter(fifo.popleft, None)
 
-    def _iterable_source(self, p: _Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
-        loader = self._rebuilt_iterable_loader(p.position.samples, slots)
-        for batch, tag in loader:
-            yield batch, BatchMeta(*tag)
+    def _iterable_source(self, p: Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
+        loader = self._rebuilt_iterable_loader(p.start.samples, slots)
+        layout = self._layout
+        assert layout.per_rank is not None
+        g, world = layout.per_rank * layout.world, layout.world
+        for batch, (index, real, real_batches, slot, nparts) in loader:
+            # Every chunk before this one was full; the stream's last is known only by reading past it.
+            yield batch, BatchMeta(index, real, real_batches, slot, nparts, index * g + real,
+                                   index * world + real_batches, False)
 
-    def _source(self, p: _Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
-        self._worker_generator.manual_seed(worker_seed(self._seed, p.epoch))
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(p.epoch)
+    def _prepare_source(self, p: Pass) -> None:
+        if self._loader_kwargs["num_workers"]:  # the workers' base seed; unused by a single-process pass
+            self._worker_generator.manual_seed(worker_seed(self._seed, p.epoch))
+        if self._dataset_set_epoch is not None:
+            self._dataset_set_epoch(p.epoch)
+
+    def _source(self, p: Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
+        self._prepare_source(p)
         if self._kind == "iterable":
             return self._iterable_source(p, slots)
-        return self._map_source(p, slots)
-
-    # -- dispatch ----------------------------------------------------------------------------
-
-    def _send(self, message: tuple[Any, ...]) -> None:
-        assert self.collectives is not None
-        self.collectives.broadcast_object_list([message], src=0)
-
-    def _receive(self) -> tuple[Any, ...]:
-        assert self.collectives is not None
-        return self.collectives.broadcast_object_list([None], src=0)[0]
-
-    def _source_rounds(self, p: _Pass) -> Iterator[tuple[list[Any], BatchMeta]]:
-        world = self._layout.world
-        parts: list[Any] = [None] * world
-        count = 0
-        for batch, meta in self._source(p, range(world)):
-            parts[meta.slot] = batch
-            count += 1
-            if count == meta.nparts:
-                yield parts, meta
-                parts, count = [None] * world, 0
-
-    def _dispatched(self, p: _Pass) -> Iterator[tuple[Any, BatchMeta]]:
-        """This rank's batches: rank 0 reads every rank's and broadcasts each global batch.
-
-        One message per global batch, ``("batch", parts, meta, final)``; rank 0 reads one global
-        batch ahead to set ``final``, so every rank receives exactly the same messages and stops
-        after the final one (no trailing collective to forget); ``("end",)`` for an empty pass;
-        ``("error", text)`` when reading failed on rank 0, so the others raise instead of hanging.
-        """
-        rank = self._layout.rank
-        if not self._is_source:
-            while True:
-                message = self._receive()
-                if message[0] == "end":
-                    return
-                if message[0] == "error":
-                    raise RuntimeError(f"the data-loading process (rank 0) failed; its error:\n{message[1]}")
-                _, parts, meta, final = message
-                mine = parts[rank]
-                if mine is None:
-                    return
-                yield mine, meta._replace(slot=rank)
-                if final:
-                    return
-        rounds = self._source_rounds(p)
-        try:
-            current = next(rounds, None)
-        except Exception as exc:
-            self._send(("error", f"{type(exc).__name__}: {exc}"))
-            raise
-        if current is None:
-            self._send(("end",))
-            return
-        while True:
-            try:
-                following = next(rounds, None)
-            except Exception as exc:
-                self._send(("error", f"{type(exc).__name__}: {exc}"))
-                raise
-            parts, meta = current
-            self._send(("batch", parts, meta, following is None))
-            if parts[rank] is None:
-                return
-            yield parts[rank], meta._replace(slot=rank)
-            if following is None:
-                return
-            current = following
+        # C iterators only: no Python frame per batch between the torch loader and the pass.
+        return zip(*self._map_batches(p, slots))
 
     # -- iteration ---------------------------------------------------------------------------
 
-    def _begin_pass(self) -> _Pass:
+    def _begin_pass(self) -> Pass:
         epoch = self._next_epoch
-        start = self._pending or _Position()
+        start = self._pending
         self._pending = None
         self._next_epoch = epoch + 1
-        self._pass = _Pass(epoch=epoch, position=attrs.evolve(start))
+        self._pass = Pass(epoch, Position() if start is None else attrs.evolve(start))
         origin = self._origin
         if origin is not None and origin._next_epoch == epoch and not (origin._pass and origin._pass.running):
             # Accelerate's resume pattern: load_state, then iterate skip_first_batches(loader, n) for the rest of
@@ -532,21 +481,46 @@ class PreparedDataLoader:
         return self._pass
 
     def __iter__(self) -> Iterator[Any]:
+        device = self.device
+        if (self._kind != "iterable" and not self.dispatch_batches and (device is None or device.type == "cpu")
+                and self.gradient_state.step_boundary is None):
+            return self._fast_pass()
         return self._iterate()
+
+    def _fast_pass(self) -> Iterator[Any]:
+        """One map-style pass of batches that need no placement, with no step boundary to keep:
+        torch's loader iterator, each batch's meta appended to the pass's ``delivered`` (C calls)
+        as the batch is handed out, and :class:`PassEnd` to close the pass."""
+        p = self._begin_pass()
+        self.gradient_state.enter_dataloader(self)
+        end = PassEnd(self, p)
+        try:
+            self._prepare_source(p)
+            batches, metas = self._map_batches(p, (self._layout.rank,))
+        except BaseException:
+            end.close()
+            raise
+        handed = zip(batches, map(p.delivered.append, metas))
+        return itertools.chain(map(_batch_of, handed), end)
 
     def _iterate(self) -> Iterator[Any]:
         p = self._begin_pass()
         state = self.gradient_state
-        self.end_of_dataloader, self.remainder = False, -1
         state.enter_dataloader(self)
         items: Iterator[tuple[Any, BatchMeta]] | None = None
         try:
-            items = self._dispatched(p) if self.dispatch_batches else self._source(p, (self._layout.rank,))
+            items = (
+                dispatched(self.collectives, self._layout.rank, self._layout.world, self._is_source,
+                           lambda: self._source(p, range(self._layout.world)))
+                if self.dispatch_batches
+                else self._source(p, (self._layout.rank,))
+            )
             # Batches are placed as soon as they are read, so with non_blocking the copy of the
             # batch read ahead overlaps the step on the current one. A DataLoader's batches are in
             # CPU memory: on a CPU run there is nothing to move, so nothing is walked per batch.
             device = self.device if self.device is not None and self.device.type != "cpu" else None
             non_blocking = self.non_blocking
+            delivered = p.delivered
             current = next(items, None)
             if current is not None and device is not None:
                 current = send_to_device(current[0], device, non_blocking), current[1]
@@ -555,15 +529,12 @@ class PreparedDataLoader:
                 if following is not None and device is not None:
                     following = send_to_device(following[0], device, non_blocking), following[1]
                 batch, meta = current
-                position = p.position
-                position.samples += meta.real_samples
-                position.global_batches += meta.real_batches
-                position.batches += 1
                 if following is None:
                     p.complete = True
                     self._len_skip = 0
-                    self.end_of_dataloader, self.remainder = True, meta.real_samples
-                    state.end_of_dataloader, state.remainder = True, meta.real_samples
+                    if not meta.last:
+                        meta = meta._replace(last=True)
+                delivered.append(meta)
                 yield batch
                 if state.step_boundary is not None:  # preemption armed: the step that used `batch` ended
                     state.step_boundary(state.sync_gradients)
@@ -572,13 +543,12 @@ class PreparedDataLoader:
             self._len_skip = 0
         finally:
             p.running = False
-            self.end_of_dataloader, self.remainder = False, -1
             if items is not None and hasattr(items, "close"):
                 items.close()
             state.exit_dataloader(self)
-            outer = state.active_dataloaders[-1] if state.active_dataloaders else None
-            state.end_of_dataloader = bool(getattr(outer, "end_of_dataloader", False))
-            state.remainder = int(getattr(outer, "remainder", -1))
+
+
+_batch_of = operator.itemgetter(0)
 
 
 __all__ = ["PreparedDataLoader"]

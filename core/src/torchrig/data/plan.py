@@ -40,7 +40,10 @@ class Layout:
 
 
 class BatchMeta(NamedTuple):
-    """What the loader needs to know about one rank batch (a tuple: one is made per batch)."""
+    """What the loader needs to know about one rank batch (a tuple: one is made per batch).
+
+    The ``*_done`` fields are cumulative over the pass, so the meta of the last batch handed out
+    *is* the loader's position: nothing is added up per batch."""
 
     #: Index of its global batch within this pass.
     round: int
@@ -52,6 +55,13 @@ class BatchMeta(NamedTuple):
     slot: int
     #: How many ranks get a batch of that global batch.
     nparts: int
+    #: Real samples of all ranks consumed in this pass once this global batch is done.
+    samples_done: int
+    #: Per-rank batches of all ranks consumed in this pass once this global batch is done.
+    global_batches_done: int
+    #: Whether it is the last batch of the pass for ``slot`` (False where the source cannot know
+    #: yet: a stream; the loader's look-ahead marks it then).
+    last: bool
 
 
 def _take(order: Any, start: int, stop: int) -> list[Any]:
@@ -96,24 +106,27 @@ def index_parts(order: Any, n: int, start: int, layout: Layout, slots: Sequence[
     if isinstance(order, torch.Tensor):
         order = order.tolist()  # once per epoch (as torch's samplers do): list slices are cheap
     listed = type(order) is list  # else a range (sequential sampling, never materialised)
+    full = max(0, (n - start) // g)
+    real = n - start - full * g
+    parts = _tail(order, n, start + full * g, layout) if real > 0 and not layout.drop_last else None
+    # The round of each rank's last batch: the tail's, if the rank has a part of it.
+    final = [full if parts is not None and parts[slot] is not None else full - 1 for slot in range(world)]
     meta = tuple.__new__  # a BatchMeta without a Python-level __new__ call per batch
-    pos, index = start, 0
-    while pos + g <= n:  # full global batches
+    pos = start
+    for index in range(full):
+        done = index + 1
         for slot in slots:
             lo = pos + slot * b
-            record(meta(BatchMeta, (index, g, world, slot, world)))
+            record(meta(BatchMeta, (index, g, world, slot, world, done * g, done * world, index == final[slot])))
             yield order[lo:lo + b] if listed else list(order[lo:lo + b])
         pos += g
-        index += 1
-    real = n - pos
-    if real <= 0 or layout.drop_last:
+    if parts is None:
         return
-    parts = _tail(order, n, pos, layout)
     nparts, real_batches = len(parts) - parts.count(None), math.ceil(real / b)
     for slot in slots:
         part = parts[slot]
         if part is not None:
-            record(BatchMeta(index, real, real_batches, slot, nparts))
+            record(BatchMeta(full, real, real_batches, slot, nparts, full * g + real, full * world + real_batches, True))
             yield part
 
 
@@ -122,6 +135,7 @@ def batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout, sl
     """The indices of the given ranks' batches of a custom batch sampler's batch list, from global
     batch ``start``; each batch's :class:`BatchMeta` goes to ``record`` first."""
     world, nb = layout.world, len(batches)
+    done = 0
     if layout.split:
         for index, i in enumerate(range(start, nb)):
             batch = list(batches[i])
@@ -130,11 +144,16 @@ def batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout, sl
                     f"split_batches=True: a batch of {len(batch)} samples from the batch sampler cannot be split "
                     f"evenly across {world} processes; its batches must have a multiple of {world} samples"
                 )
-            k = len(batch) // world
+            k, done = len(batch) // world, done + len(batch)
             for slot in slots:
-                record(BatchMeta(index, len(batch), 1, slot, world))
+                record(BatchMeta(index, len(batch), 1, slot, world, done, index + 1, i == nb - 1))
                 yield batch[slot * k : (slot + 1) * k]
         return
+    remaining = max(0, nb - start)
+    full, rest = divmod(remaining, world)
+    tail = rest > 0 and not layout.drop_last
+    # The round of each rank's last batch: the short final round's, if the rank has a part of it.
+    final = [full if tail and (slot < rest or layout.even) else full - 1 for slot in range(world)]
     pos, index = start, 0
     while pos < nb:
         take = min(world, nb - pos)
@@ -148,10 +167,12 @@ def batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout, sl
             else:
                 parts += [None] * (world - take)
         real_samples, nparts = sum(len(batch) for batch in real), len(parts) - parts.count(None)
+        done += real_samples
         for slot in slots:
             part = parts[slot]
             if part is not None:
-                record(BatchMeta(index, real_samples, take, slot, nparts))
+                record(BatchMeta(index, real_samples, take, slot, nparts, done, index * world + take,
+                                 index == final[slot]))
                 yield part
         pos += take
         index += 1

@@ -88,6 +88,8 @@ class SeedableRandomSampler(Sampler[int]):
                 parts.append(torch.randperm(n, generator=generator))
             if count % n:
                 parts.append(torch.randperm(n, generator=generator)[: count % n])
+        if len(parts) == 1:  # one pass over the data (the usual case): no copy
+            return parts[0]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def __iter__(self) -> Iterator[int]:
