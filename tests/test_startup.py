@@ -1,0 +1,37 @@
+"""What ``python train.py`` pays before its first step (benchmark B12): modules a run that does
+not need them must not import."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+FIRST_STEP = """
+import json, sys
+import torch
+from torchrig import Accelerator
+accelerator = Accelerator()
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def modules_after(code: str, tmp_path, **env: str) -> set[str]:
+    """The modules a fresh interpreter holds after ``code`` (which prints them as JSON)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
+    environ.update({"TORCHRIG_CONFIG_HOME": str(tmp_path), "OMP_NUM_THREADS": "1", **env})
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environ,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.multiprocess
+def test_a_run_reading_no_config_file_does_not_import_yaml(tmp_path):
+    assert "yaml" not in modules_after(FIRST_STEP, tmp_path)
+    config = tmp_path / "run.yaml"
+    config.write_text("gradient_accumulation_steps: 2\n")
+    assert "yaml" in modules_after(FIRST_STEP, tmp_path, TORCHRIG_CONFIG_FILE=str(config))
