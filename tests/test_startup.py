@@ -35,3 +35,12 @@ def test_a_run_reading_no_config_file_does_not_import_yaml(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("gradient_accumulation_steps: 2\n")
     assert "yaml" in modules_after(FIRST_STEP, tmp_path, TORCHRIG_CONFIG_FILE=str(config))
+
+
+@pytest.mark.multiprocess
+def test_a_run_imports_no_checks_of_a_strategy_it_does_not_select(tmp_path):
+    """DeepSpeed's options class is described for every run; its configuration checks (a
+    600-line module) are imported only when the deepspeed strategy validates a configuration."""
+    modules = modules_after(FIRST_STEP, tmp_path)
+    assert "torchrig_deepspeed.options" in modules
+    assert "torchrig_deepspeed.config_checks" not in modules
