@@ -84,10 +84,11 @@ def scan(distributions: Iterable[md.Distribution]) -> list[PluginRecord]:
         entry_points = [ep for ep in dist.entry_points if ep.group in GROUPS]
         if not entry_points:  # most distributions: no metadata to parse
             continue
-        dist_name = dist.metadata["Name"]
+        metadata = dist.metadata  # parsed once: ``dist.version`` would parse it again
+        dist_name = metadata["Name"]
         if not dist_name:
             continue
-        versions[dist_name] = dist.version
+        versions[dist_name] = metadata["Version"]
         for ep in entry_points:
             kind, is_manifest = GROUPS[ep.group]
             slot = found.setdefault((dist_name, kind, ep.name), {})
