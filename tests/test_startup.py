@@ -44,3 +44,12 @@ def test_a_run_imports_no_checks_of_a_strategy_it_does_not_select(tmp_path):
     modules = modules_after(FIRST_STEP, tmp_path)
     assert "torchrig_deepspeed.options" in modules
     assert "torchrig_deepspeed.config_checks" not in modules
+
+
+@pytest.mark.multiprocess
+def test_the_checkpoint_machinery_is_imported_by_the_first_checkpoint_call(tmp_path):
+    modules = modules_after(FIRST_STEP, tmp_path)
+    assert not {"torchrig.checkpoint.manager", "torchrig.checkpoint.export", "safetensors"} & modules
+    saved = modules_after(FIRST_STEP.replace("print(", f"accelerator.save_state({str(tmp_path / 'ckpt')!r})\nprint(", 1),
+                          tmp_path)
+    assert {"torchrig.checkpoint.manager", "safetensors"} <= saved
