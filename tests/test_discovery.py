@@ -6,6 +6,7 @@ import sys
 
 import pytest
 from torchrig import hookimpl
+from torchrig.discovery import GROUP_HEADER, installed_distributions, scan
 from torchrig.errors import (
     PluginAPIVersionError,
     PluginConflictError,
@@ -14,6 +15,7 @@ from torchrig.errors import (
     PluginNotFoundError,
 )
 from torchrig.hookspecs import HOOK_API_VERSION
+from torchrig.kinds import GROUPS
 from torchrig.manifest import PluginManifest
 from torchrig.plugin_host import PluginStatus
 from torchrig.testing import FakeDistribution, make_host, plugin_distribution
@@ -232,6 +234,23 @@ def test_disabled_by_environment_variable(mods):
 def test_disabled_list_with_unknown_kind_is_an_error(mods):
     with pytest.raises(ValueError, match="unknown plugin kind 'strategi'"):
         make_host(disabled=["strategi:zz"])
+
+
+def test_scan_skipping_on_the_raw_text_finds_what_parsing_every_distribution_finds():
+    """The scan skips a distribution whose ``entry_points.txt`` has no ``[torchrig.`` header
+    without parsing it; what it finds must equal a full parse of every distribution's entry points."""
+    assert all(f"[{group}]".startswith(GROUP_HEADER) for group in GROUPS)
+    dists = installed_distributions()
+    parsed = {(dist.metadata["Name"], ep.group, ep.name, ep.value) for dist in dists for ep in dist.entry_points
+              if ep.group in GROUPS}
+    found = set()
+    for record in scan(dists):
+        kind = record.kind
+        if record.runtime is not None:
+            found.add((record.distribution, kind.runtime_group, record.name, record.runtime))
+        if record.manifest is not None:
+            found.add((record.distribution, kind.manifest_group, record.name, record.manifest))
+    assert found == parsed and parsed
 
 
 def test_core_builtins_are_discovered_through_entry_points():

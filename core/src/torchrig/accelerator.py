@@ -28,7 +28,6 @@ from torchrig.accelerator_checkpoints import CheckpointCalls
 from torchrig.accelerator_collectives import CollectiveCalls
 from torchrig.accelerator_tracking import TrackingCalls
 from torchrig.checkpoint.ledger import CheckpointLedger
-from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.compile import compile_model
 from torchrig.compile_check import CompileVerifier
 from torchrig.config.options import PreemptionConfig, ProfileKwargs
@@ -136,7 +135,6 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls):
         self._dataloaders: list[Any] = self._ledger.dataloaders
         self._accumulate = AccumulateContext(self)
         self.flag_tensor: Any = None
-        self._checkpoints = CheckpointManager(self._ledger)
         self._trackers = TrackerHub(self._run)
         self._preemption = self._arm_preemption()
         self._throughput = self._arm_throughput()
@@ -260,7 +258,7 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls):
         ``torchrig_unconfigure`` (once; at interpreter exit instead when this is never called)."""
         report = self._trackers.finish()
         self._compile_check.close()
-        self._checkpoints.wait()
+        self._wait_for_checkpoint()
         end_run(self._run)
         return report
 
@@ -531,7 +529,7 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls):
 
     def wait_for_everyone(self) -> None:
         """Barrier; also where a failed asynchronous checkpoint save is raised (every rank)."""
-        self._checkpoints.wait()
+        self._wait_for_checkpoint()
         super().wait_for_everyone()
 
     # -- models -------------------------------------------------------------------------------

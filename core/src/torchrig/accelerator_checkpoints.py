@@ -1,6 +1,10 @@
 """The Accelerator's checkpoint calls (``save_state``, ``load_state``, registration, ``save_model``,
 ``save``): thin over :class:`~torchrig.checkpoint.manager.CheckpointManager`, which owns the commit
 protocol (docs/checkpoints.md); here are only the Accelerate-shaped signatures and who writes files.
+
+The manager and the writers (:mod:`torchrig.checkpoint.manager`, :mod:`torchrig.checkpoint.export`:
+loading, state dicts, safetensors) are imported by the first checkpoint call, not by every
+``Accelerator()``: a run that never saves does not pay for them at start-up (benchmark B12).
 """
 
 from __future__ import annotations
@@ -11,17 +15,19 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.hooks import RemovableHandle
 
-from torchrig.checkpoint.export import parse_size, save_object, save_weights
 from torchrig.checkpoint.ledger import CheckpointLedger
-from torchrig.checkpoint.manager import CheckpointManager
 from torchrig.config.resolve import ResolvedConfig
+
+if TYPE_CHECKING:
+    from torchrig.checkpoint.manager import CheckpointManager
 
 
 class CheckpointCalls:
     """Checkpoints of an :class:`~torchrig.Accelerator` (its ledger of prepared objects and its manager)."""
 
-    _checkpoints: CheckpointManager
     _ledger: CheckpointLedger
+    #: Made by the first checkpoint call (:attr:`_checkpoints`); None until then.
+    _checkpoint_manager: CheckpointManager | None = None
     config: ResolvedConfig
     is_main_process: bool
     is_local_main_process: bool
@@ -30,6 +36,21 @@ class CheckpointCalls:
         def get_state_dict(self, model: Any, unwrap: bool = True) -> dict[str, Any]: ...
 
         def wait_for_everyone(self) -> None: ...
+
+    @property
+    def _checkpoints(self) -> CheckpointManager:
+        """The run's checkpoint manager, made on first use."""
+        if self._checkpoint_manager is None:
+            # Deliberately deferred for start-up cost (see the module docstring).
+            from torchrig.checkpoint.manager import CheckpointManager
+
+            self._checkpoint_manager = CheckpointManager(self._ledger)
+        return self._checkpoint_manager
+
+    def _wait_for_checkpoint(self) -> None:
+        """Wait for an asynchronous save to commit and raise its failure (none without a manager)."""
+        if self._checkpoint_manager is not None:
+            self._checkpoint_manager.wait()
 
     @property
     def save_iteration(self) -> int:
@@ -96,6 +117,9 @@ class CheckpointCalls:
                    safe_serialization: bool = True) -> list[str]:
         """Full weights (gathered from shards) as ``model.safetensors`` or shards with an index;
         collective. Returns the files written (empty on ranks that write nothing)."""
+        # Deliberately deferred for start-up cost (see the module docstring).
+        from torchrig.checkpoint.export import parse_size, save_weights
+
         parse_size(max_shard_size)  # a bad size fails on every rank, before any gathering
         state = self.get_state_dict(model)
         written = save_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization) \
@@ -105,6 +129,9 @@ class CheckpointCalls:
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
         """Write ``obj`` once per job (once per node with ``save_on_each_node``), atomically."""
+        # Deliberately deferred for start-up cost (see the module docstring).
+        from torchrig.checkpoint.export import save_object
+
         if self._writes_files:
             save_object(obj, os.fspath(f), safe_serialization)
 

@@ -18,6 +18,9 @@ import attrs
 
 from torchrig.kinds import GROUPS, PluginKind
 
+#: What every torchrig entry-point group's section header in ``entry_points.txt`` starts with.
+GROUP_HEADER = "[torchrig."
+
 
 def normalize_distribution_name(name: str) -> str:
     """PEP 503 normalisation: ``Torchrig_DDP`` and ``torchrig-ddp`` are one distribution."""
@@ -73,13 +76,19 @@ def scan(distributions: Iterable[md.Distribution]) -> list[PluginRecord]:
     found: dict[tuple[str, PluginKind, str], dict[str, str]] = {}
     versions: dict[str, str] = {}
     for dist in distributions:
+        # Most distributions declare no torchrig group: skip them on the raw text rather than
+        # parse every distribution's entry points (~200 on a typical machine, on each start).
+        text = dist.read_text("entry_points.txt")
+        if not text or GROUP_HEADER not in text:
+            continue
         entry_points = [ep for ep in dist.entry_points if ep.group in GROUPS]
         if not entry_points:  # most distributions: no metadata to parse
             continue
-        dist_name = dist.metadata["Name"]
+        metadata = dist.metadata  # parsed once: ``dist.version`` would parse it again
+        dist_name = metadata["Name"]
         if not dist_name:
             continue
-        versions[dist_name] = dist.version
+        versions[dist_name] = metadata["Version"]
         for ep in entry_points:
             kind, is_manifest = GROUPS[ep.group]
             slot = found.setdefault((dist_name, kind, ep.name), {})
@@ -106,4 +115,4 @@ def load_reference(ref: str) -> Any:
     return obj
 
 
-__all__ = ["PluginRecord", "installed_distributions", "load_reference", "normalize_distribution_name", "scan"]
+__all__ = ["GROUP_HEADER", "PluginRecord", "installed_distributions", "load_reference", "normalize_distribution_name", "scan"]

@@ -1,6 +1,8 @@
 """Configuration: one typed config from five sources, with provenance.
 
-* :mod:`torchrig.config.loader` — YAML/JSON files with line marks, duplicate keys rejected;
+* :mod:`torchrig.config.loader` — YAML/JSON files with line marks, duplicate keys rejected (the
+  :class:`~torchrig.config.document.Document` it returns; the pyyaml-based parsing in
+  :mod:`torchrig.config.parsing`, imported only when a file is read);
 * :mod:`torchrig.config.schema` — declaring options (:func:`option`) and coercing values;
 * :mod:`torchrig.config.options` — the core's options (Accelerate's class names);
 * :mod:`torchrig.config.resolve` — precedence, provenance, validation (:func:`resolve_config`);

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import functools
 import math
 import types
 import typing
@@ -289,9 +290,17 @@ class FieldSpec:
         return default
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """An options class's resolved annotations, evaluated once per class: a run builds its
+    :class:`~torchrig.config.resolve.Schema` more than once, and evaluating every section's
+    annotations is most of building one."""
+    return typing.get_type_hints(cls)
+
+
 def field_specs(cls: type) -> dict[str, FieldSpec]:
     """Fields of an attrs options class, with resolved type hints."""
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     return {f.name: FieldSpec(f.name, hints.get(f.name, Any), f, info_of(f)) for f in attrs.fields(cls)}
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 from torchrig.config.schema import at_least, between, class_names, option
 
-from torchrig_deepspeed.config_checks import load_deepspeed_json
+from torchrig_deepspeed.ds_json import load_deepspeed_json
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 #: The only ``deepspeed_multinode_launcher`` torchrig has: ``torchrig launch`` on each machine.
