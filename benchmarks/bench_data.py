@@ -1,13 +1,16 @@
 """B11: data throughput of a prepared DataLoader against a plain DataLoader + DistributedSampler.
 
-Two CPU ranks (torchrig's test worker pool, gloo). In every round each rank iterates one epoch
-of the plain loader, one of the prepared loader and one of a second, identical plain loader (the
-A/A control), in an order rotating by round, both ranks together after a barrier, so they compete
-for the cores as a real job does; batches/s from the median epoch time of each. The ratio is
-prepared ÷ plain, the worst rank's; the control's ratio (control ÷ plain, worst rank) says how
-far the procedure itself reads from 1. An epoch is short (~40 batches, 2–15 ms), so a round is
-cheap and the default of 60 rounds keeps the medians' noise well under the 1% the goal
-resolves. Cases:
+Two CPU ranks (torchrig's test worker pool, gloo), every loader reading the same dataset. Each
+trial builds three fresh loaders — the plain one, the prepared one and a second plain one (the
+A/A control) — in an order rotating by trial, then runs rounds in which each rank iterates one
+epoch of each, in an order rotating by round, both ranks together after a barrier, so they
+compete for the cores as a real job does. A trial's ratio is the median over its rounds of
+prepared ÷ plain batches/s in the same round; a rank's ratio is the median over trials; the
+result is the worst rank's. The control's ratio (control ÷ plain, the same way) says how far
+the procedure itself reads from 1: where a loader's objects land in memory moves its speed by
+a few percent for as long as it lives (in one set of loaders, the A/A of (d) read 0.93–0.98),
+so fresh loaders per trial average that out. An epoch is short (~40 batches, 2–70 ms), so the
+default 6 trials × 20 rounds stay cheap. Cases:
 
 (a) map-style ``TensorDataset``, batch 64, ``num_workers=0``, shuffled;
 (b) map-style, ``__getitem__`` costing ~50 µs (busy work), batch 16, ``num_workers=2`` with
@@ -19,7 +22,7 @@ resolves. Cases:
 
 Goal: ≥ 0.99 for (a), (b) and (d). The prepared loaders keep their exact-resume bookkeeping.
 
-    python benchmarks/bench_data.py [--rounds 15]
+    python benchmarks/bench_data.py [--trials 6] [--rounds 20]
 """
 
 from __future__ import annotations
@@ -93,32 +96,59 @@ def pad_collate(sequences):
     return {"input_ids": tokens, "attention_mask": tokens != 0}
 
 
-def _loaders(case: str, rank: int, world: int):
-    """(plain loader with its sampler or None, the DataLoader torchrig prepares, dataloader_config);
-    each call builds fresh loaders over fresh (identical) data."""
+def _dataset(case: str, world: int):
+    """The job's dataset for ``case`` (built once: every loader of a case reads the same one)."""
+    if case == "a":
+        return torch.utils.data.TensorDataset(torch.randn(64 * 40 * world, 32), torch.randint(0, 10, (64 * 40 * world,)))
+    if case == "b":
+        return SlowItems(16 * 30 * world)
+    if case == "c":
+        return Stream(32 * 40 * world)
+    return Sentences(32 * 40 * world)
+
+
+def _plain(case: str, data, rank: int, world: int):
+    """(the hand-written loader, its DistributedSampler or None)."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    if case == "a":
-        data = torch.utils.data.TensorDataset(torch.randn(64 * 40 * world, 32), torch.randint(0, 10, (64 * 40 * world,)))
-        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
-        return (DataLoader(data, batch_size=64, sampler=sampler), sampler,
-                DataLoader(data, batch_size=64, shuffle=True), {})
-    if case == "b":
-        data = SlowItems(16 * 30 * world)
-        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
-        common = dict(batch_size=16, num_workers=2, persistent_workers=True)
-        return (DataLoader(data, sampler=sampler, **common), sampler, DataLoader(data, shuffle=True, **common), {})
     if case == "c":
-        stream = Stream(32 * 40 * world)
-        return (DataLoader(EveryOther(stream, 32, rank, world), batch_size=32), None,
-                DataLoader(stream, batch_size=32), {"dispatch_batches": True})
-    data = Sentences(32 * 40 * world)
+        return DataLoader(EveryOther(data, 32, rank, world), batch_size=32), None
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    return (DataLoader(data, batch_size=32, sampler=sampler, collate_fn=pad_collate), sampler,
-            DataLoader(data, batch_size=32, shuffle=True, collate_fn=pad_collate), {})
+    if case == "a":
+        return DataLoader(data, batch_size=64, sampler=sampler), sampler
+    if case == "b":
+        return DataLoader(data, sampler=sampler, batch_size=16, num_workers=2, persistent_workers=True), sampler
+    return DataLoader(data, batch_size=32, sampler=sampler, collate_fn=pad_collate), sampler
 
 
-def measure(ctx, case: str, rounds: int) -> dict:
+def _to_prepare(case: str, data):
+    """(the DataLoader the user hands to ``prepare``, the dataloader_config it runs with)."""
+    from torch.utils.data import DataLoader
+
+    if case == "a":
+        return DataLoader(data, batch_size=64, shuffle=True), {}
+    if case == "b":
+        return DataLoader(data, shuffle=True, batch_size=16, num_workers=2, persistent_workers=True), {}
+    if case == "c":
+        return DataLoader(data, batch_size=32), {"dispatch_batches": True}
+    return DataLoader(data, batch_size=32, shuffle=True, collate_fn=pad_collate), {}
+
+
+def _timed_epoch(loader, sampler, epochs: dict, name: str):
+    def epoch() -> float:
+        if sampler is not None:
+            sampler.set_epoch(epochs[name])
+        epochs[name] += 1
+        start, n = time.perf_counter(), 0
+        for _ in loader:
+            n += 1
+        epochs["batches"] = n
+        return n / (time.perf_counter() - start)
+
+    return epoch
+
+
+def measure(ctx, case: str, trials: int, rounds: int) -> dict:
     import torch.distributed as dist
     from torchrig import Accelerator
     from torchrig.config.options import DataLoaderConfiguration
@@ -126,43 +156,45 @@ def measure(ctx, case: str, rounds: int) -> dict:
 
     torch.set_num_threads(1)
     with rank_environment(ctx.rank, ctx.world_size):
-        plain, sampler, raw, options = _loaders(case, ctx.rank, ctx.world_size)
-        control, control_sampler, _, _ = _loaders(case, ctx.rank, ctx.world_size)
+        data = _dataset(case, ctx.world_size)
+        _, options = _to_prepare(case, data)
         accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**options))
-        prepared = accelerator.prepare(raw)
-        epochs = {"plain": 0, "control": 0, "batches": 0}
+        epochs = {"plain": 0, "prepared": 0, "control": 0, "batches": 0}
+        rates: dict[str, list[float]] = {"plain": [], "prepared": [], "control": []}
+        ratios: dict[str, list[float]] = {"prepared": [], "control": []}
 
-        def plain_epoch_of(name, loader, its_sampler):
-            def plain_epoch() -> float:
-                if its_sampler is not None:
-                    its_sampler.set_epoch(epochs[name])
-                epochs[name] += 1
-                start, n = time.perf_counter(), 0
-                for _ in loader:
-                    n += 1
-                return n / (time.perf_counter() - start)
+        def build(name: str):
+            if name == "prepared":
+                return _timed_epoch(accelerator.prepare(_to_prepare(case, data)[0]), None, epochs, name)
+            return _timed_epoch(*_plain(case, data, ctx.rank, ctx.world_size), epochs, name)
 
-            return plain_epoch
-
-        def prepared_epoch() -> float:
-            start, n = time.perf_counter(), 0
-            for _ in prepared:
-                n += 1
-            epochs["batches"] = n
-            return n / (time.perf_counter() - start)
-
-        runs = [("plain", plain_epoch_of("plain", plain, sampler)), ("prepared", prepared_epoch),
-                ("control", plain_epoch_of("control", control, control_sampler))]
-        for _, run in runs:  # warm up: workers started, caches filled
-            dist.barrier()
-            run()
-        rates: dict[str, list[float]] = {name: [] for name, _ in runs}
-        for index in range(rounds):
-            shift = index % len(runs)
-            for name, run in runs[shift:] + runs[:shift]:
+        names = ["plain", "prepared", "control"]
+        for trial in range(trials):
+            # Fresh loaders each trial, built in a rotating order: where a loader's objects land in
+            # memory moves its speed by a few percent (the A/A control shows how much); new ones
+            # each trial average that out instead of crowning whichever was built first.
+            shift = trial % len(names)
+            runs = {name: build(name) for name in names[shift:] + names[:shift]}
+            for name in names:  # warm up: workers started, caches filled
                 dist.barrier()
-                rates[name].append(run())
-        result = {name: statistics.median(values) for name, values in rates.items()}
+                runs[name]()
+            trial_rates: dict[str, list[float]] = {name: [] for name in names}
+            for index in range(rounds):
+                turn = (index + trial) % len(names)
+                for name in names[turn:] + names[:turn]:
+                    dist.barrier()
+                    trial_rates[name].append(runs[name]())
+            for name in names:
+                rates[name].extend(trial_rates[name])
+            # Paired within each round (the same moment of machine load on both sides).
+            for name in ratios:
+                ratios[name].append(statistics.median(
+                    a / b for a, b in zip(trial_rates[name], trial_rates["plain"], strict=True)))
+            del runs
+        result: dict[str, float] = {name: statistics.median(values) for name, values in rates.items()}
+        for name, values in ratios.items():
+            result[f"{name}_ratio"] = statistics.median(values)
+            result[f"{name}_trials"] = values  # type: ignore[assignment]
         result["batches"] = epochs["batches"]
         accelerator.end_training()
         return result
@@ -170,7 +202,8 @@ def measure(ctx, case: str, rounds: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--trials", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
     from torchrig.testing.pool import WorkerPool
@@ -178,17 +211,20 @@ def main() -> int:
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
     ratios: dict[str, float] = {}
     controls: dict[str, float] = {}
-    print(f"B11 data throughput, 2 CPU ranks, {args.rounds} interleaved rounds of one epoch each")
+    print(f"B11 data throughput, 2 CPU ranks, {args.trials} trials of fresh loaders x {args.rounds} interleaved "
+          "rounds of one epoch each")
     with WorkerPool(world_size=2) as pool:
         for case in wanted:
-            per_rank = pool.run(measure, case, args.rounds, timeout=1800)
-            ratio = min(r["prepared"] / r["plain"] for r in per_rank)
+            per_rank = pool.run(measure, case, args.trials, args.rounds, timeout=1800)
+            ratio = min(r["prepared_ratio"] for r in per_rank)
             ratios[case] = ratio
-            controls[case] = min(r["control"] / r["plain"] for r in per_rank)
+            controls[case] = min(r["control_ratio"] for r in per_rank)
             shown = ", ".join(f"rank {i}: plain {r['plain']:.0f} batches/s, prepared {r['prepared']:.0f}, "
                               f"control {r['control']:.0f}" for i, r in enumerate(per_rank))
-            print(f"  ({case}) {per_rank[0]['batches']} batches/epoch/rank; {shown}; ratio (worst rank) {ratio:.3f}, "
-                  f"A/A {controls[case]:.3f}")
+            trials = "; ".join(f"rank {i}: " + " ".join(f"{t:.3f}" for t in r["prepared_trials"])
+                               for i, r in enumerate(per_rank))
+            print(f"  ({case}) {per_rank[0]['batches']} batches/epoch/rank; {shown}; ratio (worst rank) {ratio:.3f} "
+                  f"(trials {trials}), A/A {controls[case]:.3f}")
     goals = [c for c in ("a", "b", "d") if c in ratios]
     ok = all(ratios[c] >= GOAL for c in goals) if goals else None
     print("B11 prepared ÷ plain batches/s: " + ", ".join(f"({c}) {ratios[c]:.3f}" for c in ratios)

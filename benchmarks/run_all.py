@@ -37,7 +37,7 @@ BENCHMARKS = [
     (("B7",), "bench_gpu.py", [], ["--quick"]),
     (("B9", "B10"), "bench_sharded_cpu.py", [], ["--trials", "2", "--copies", "1", "--rounds", "2", "--steps", "1"]),
     (("B8",), "bench_gpu_sharded.py", [], ["--quick"]),
-    (("B11",), "bench_data.py", [], ["--rounds", "2", "--cases", "a,d"]),
+    (("B11",), "bench_data.py", [], ["--trials", "1", "--rounds", "2", "--cases", "a,d"]),
     (("B12",), "bench_startup.py", [], ["--rounds", "2"]),
     (("B13", "B14", "B15"), "bench_mesh.py", [], ["--trials", "1", "--copies", "1", "--rounds", "2", "--steps", "1"]),
     (("B16", "B17"), "bench_fp8.py", [], ["--quick"]),

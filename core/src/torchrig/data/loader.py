@@ -405,8 +405,8 @@ class PreparedDataLoader:
     def _epoch_order(self, epoch: int) -> tuple[Any, int]:
         sampler = self.sampler
         if self._sampler_kind == "seedable":
-            listed = sampler.order(epoch).tolist()  # once per epoch: slicing a list per batch is cheap
-            return listed, len(listed)
+            order = sampler.order(epoch)  # a tensor: the plan makes Python ints of this rank's part only
+            return order, order.shape[0]
         if self._sampler_kind == "sequential":
             n = len(sampler)
             return range(n), n

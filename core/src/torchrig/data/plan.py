@@ -65,11 +65,13 @@ class BatchMeta(NamedTuple):
 
 
 def _take(order: Any, start: int, stop: int) -> list[Any]:
-    """``order[start:stop]`` as a list (order: list or range)."""
+    """``order[start:stop]`` as a list (order: list, range or 1-D int64 tensor)."""
     if stop <= start:
         return []
     chunk = order[start:stop]
-    return chunk if type(chunk) is list else list(chunk)
+    if type(chunk) is list:
+        return chunk
+    return chunk.tolist() if isinstance(chunk, torch.Tensor) else list(chunk)
 
 
 def _positions(order: Any, n: int, start: int, stop: int) -> list[Any]:
@@ -103,23 +105,29 @@ def index_parts(order: Any, n: int, start: int, layout: Layout, slots: Sequence[
     b, world = layout.per_rank, layout.world
     assert b is not None
     g = b * world
-    if isinstance(order, torch.Tensor):
-        order = order.tolist()  # once per epoch (as torch's samplers do): list slices are cheap
-    listed = type(order) is list  # else a range (sequential sampling, never materialised)
     full = max(0, (n - start) // g)
     real = n - start - full * g
     parts = _tail(order, n, start + full * g, layout) if real > 0 and not layout.drop_last else None
     # The round of each rank's last batch: the tail's, if the rank has a part of it.
     final = [full if parts is not None and parts[slot] is not None else full - 1 for slot in range(world)]
+    # Full rounds: rank r's batch k is positions [k*g + r*b, k*g + (r+1)*b) after ``start``.
+    stride, offset = g, [slot * b for slot in range(world)]
+    if isinstance(order, torch.Tensor):
+        if len(slots) == 1:  # one rank's pass (the usual case): only its indices become Python ints
+            order = order[start:start + full * g].view(full, world, b)[:, slots[0]].reshape(-1).tolist()
+            stride, offset, start = b, [0] * world, 0
+        else:
+            order = order.tolist()  # once per epoch (as torch's samplers do): list slices are cheap
+    listed = type(order) is list  # else a range (sequential sampling, never materialised)
     meta = tuple.__new__  # a BatchMeta without a Python-level __new__ call per batch
     pos = start
     for index in range(full):
         done = index + 1
         for slot in slots:
-            lo = pos + slot * b
+            lo = pos + offset[slot]
             record(meta(BatchMeta, (index, g, world, slot, world, done * g, done * world, index == final[slot])))
             yield order[lo:lo + b] if listed else list(order[lo:lo + b])
-        pos += g
+        pos += stride
     if parts is None:
         return
     nparts, real_batches = len(parts) - parts.count(None), math.ceil(real / b)
