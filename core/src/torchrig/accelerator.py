@@ -15,22 +15,21 @@ import contextlib
 import functools
 import gc
 import os
-import sys
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from torchrig import run_status
 from torchrig.accelerator_arguments import accelerator_arguments
 from torchrig.accelerator_checkpoints import CheckpointCalls
 from torchrig.accelerator_collectives import CollectiveCalls
+from torchrig.accelerator_preemption import PreemptionCalls
 from torchrig.accelerator_tracking import TrackingCalls
 from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.compile import compile_model
 from torchrig.compile_check import CompileVerifier
-from torchrig.config.options import PreemptionConfig, ProfileKwargs
+from torchrig.config.options import ProfileKwargs
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.context_parallel import context_parallel
 from torchrig.conversion import convert_model
@@ -42,8 +41,6 @@ from torchrig.gradient_state import gradient_state_of
 from torchrig.nested import convert_to_fp32
 from torchrig.optimizer import AcceleratedOptimizer
 from torchrig.plugin_host import PluginHost
-from torchrig.preemption import Preempted, install_signal_handlers, run_requeue_command
-from torchrig.preemption_watch import PreemptionWatch
 from torchrig.process import AcceleratorState
 from torchrig.profiling import profile_options, profile_run
 from torchrig.run import RunContext
@@ -54,7 +51,7 @@ from torchrig.tracking import TrackerHub
 from torchrig.types import Capabilities, PreparedModel
 
 
-class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls):
+class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCalls):
     """Run one training script on one process or many, under the configured strategy.
 
     Arguments follow Hugging Face Accelerate's; ``strategy``, ``config_file`` and
@@ -141,52 +138,6 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls):
         dynamo = self.config.section("dynamo_config")
         self._compile_check = CompileVerifier(on_done=self._replan, check_after_steps=dynamo.check_after_steps,
                                               recompile_warn_threshold=dynamo.recompile_warn_threshold)
-
-    def _arm_preemption(self) -> PreemptionWatch | None:
-        """With ``preemption.signals`` set: record those signals, refuse what could not be honoured
-        (nowhere to save, a requeue nobody can do), and hand the step boundary to the data layer."""
-        options = self._run.section(PreemptionConfig)
-        if not options.signals:
-            return None
-        problems = []
-        project = self.config.section("project_config")
-        if not (project.project_dir and project.automatic_checkpoint_naming):
-            problems.append(f"preemption.signals ({self.config.source('preemption.signals')}): a preemption "
-                            "checkpoint needs automatically named checkpoints to resume from: set "
-                            "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True) (config keys "
-                            "project_config.project_dir and project_config.automatic_checkpoint_naming)")
-        self._requeue_command: list[str] = []
-        if options.requeue:
-            self._requeue_command = list(self._host.hook.torchrig_requeue_command(environ=dict(os.environ)) or [])
-            if not self._requeue_command:
-                problems.append(f"preemption.requeue ({self.config.source('preemption.requeue')}): no cluster plugin "
-                                "can requeue this job (it does not run under a scheduler torchrig knows, e.g. Slurm); "
-                                "set preemption.requeue to false and resubmit the job yourself")
-        if problems:
-            raise ConfigError(problems)
-        install_signal_handlers(options.signals)
-        watch = PreemptionWatch(self.num_processes, self._stop_for_preemption)
-        self.gradient_state.step_boundary = watch.at_step_boundary
-        return watch
-
-    def _stop_for_preemption(self, signal_name: str) -> None:
-        """Every rank, at the same step boundary: commit a checkpoint, end the run, requeue, exit."""
-        assert self._preemption is not None
-        options = self._run.section(PreemptionConfig)
-        checkpoint = self.save_state(async_save=False)
-        step = self._preemption.steps
-        requeued = None
-        if self._requeue_command and self.is_main_process:
-            requeued, failure = run_requeue_command(self._requeue_command)
-            if failure:  # the checkpoint is safe; say why the job will not come back by itself
-                self.print(f"torchrig: preemption: {failure}", file=sys.stderr)
-        if self._requeue_command:
-            self.wait_for_everyone()  # no rank exits (srun --kill-on-bad-exit) before the job is requeued
-        run_status.record(preempted={"signal": signal_name, "checkpoint": checkpoint, "step": step, "requeued": requeued})
-        self.end_training()
-        stop = Preempted(options.exit_code, signal_name=signal_name, checkpoint=checkpoint, step=step, requeued=requeued)
-        self.print(f"torchrig: {stop}", file=sys.stderr, flush=True)
-        raise stop
 
     def _configure_accumulation(self) -> None:
         """Gradient accumulation settings: ``GradientAccumulationPlugin``, then the fields a
