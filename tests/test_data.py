@@ -460,6 +460,14 @@ def test_skip_first_batches_on_prepared_and_plain_loaders():
     twin.set_epoch(1)
     assert loader.state_dict()["epoch"] == 1 and epoch_ids(loader) == epoch_ids(twin)
 
+    # a break on the skipping pass's last batch ends the skip too: the next pass is a whole epoch
+    again = skip_first_batches(prepare_dataloader(make_run(data_seed=4), DataLoader(data, batch_size=3, shuffle=True)), 2)
+    for _ in again:
+        last_len = len(again)
+        if again.end_of_dataloader:
+            break
+    assert last_len == 4 and [len(again) for _ in again] == [4, 4, 4, 4]
+
     plain = skip_first_batches(DataLoader(data, batch_size=3), 1)
     assert epoch_ids(plain) == [[3, 4, 5], [6, 7, 8], [9]] and len(plain) == 3
     stream = skip_first_batches(DataLoader(Stream(5), batch_size=2), 2)

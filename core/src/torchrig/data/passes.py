@@ -73,6 +73,7 @@ class PassEnd:
         self.open = False
         if complete:
             self.pass_.complete = True
+        if self.pass_.finished:  # also after a break on the last batch: a skip covers one pass only
             self.loader._len_skip = 0
         self.pass_.running = False
         self.loader.gradient_state.exit_dataloader(self.loader)
