@@ -480,9 +480,13 @@ class PreparedDataLoader:
             self.sampler.set_epoch(epoch)
         return self._pass
 
+    def _placement(self) -> torch.device | None:
+        """Where batches are moved, or None: a DataLoader's batches are in CPU memory, so on a CPU
+        run there is nothing to move and nothing is walked per batch."""
+        return self.device if self.device is not None and self.device.type != "cpu" else None
+
     def __iter__(self) -> Iterator[Any]:
-        device = self.device
-        if (self._kind != "iterable" and not self.dispatch_batches and (device is None or device.type == "cpu")
+        if (self._kind != "iterable" and not self.dispatch_batches and self._placement() is None
                 and self.gradient_state.step_boundary is None):
             return self._fast_pass()
         return self._iterate()
@@ -516,9 +520,8 @@ class PreparedDataLoader:
                 else self._source(p, (self._layout.rank,))
             )
             # Batches are placed as soon as they are read, so with non_blocking the copy of the
-            # batch read ahead overlaps the step on the current one. A DataLoader's batches are in
-            # CPU memory: on a CPU run there is nothing to move, so nothing is walked per batch.
-            device = self.device if self.device is not None and self.device.type != "cpu" else None
+            # batch read ahead overlaps the step on the current one.
+            device = self._placement()
             non_blocking = self.non_blocking
             delivered = p.delivered
             current = next(items, None)
