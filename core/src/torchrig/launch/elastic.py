@@ -492,7 +492,7 @@ def launch_with_elastic(plan: LaunchPlan) -> int:
         )
         agent = TorchrigAgent(
             spec=spec, logs_specs=TorchrigLogsSpecs(log_dir, plan.tee), start_method="spawn",
-            shutdown_timeout=max(1, round(plan.shutdown_grace_s)), observer=observer, grace=plan.shutdown_grace_s,
+            observer=observer, grace=plan.shutdown_grace_s,
         )
         result = agent.run()
         if result is None:
