@@ -473,7 +473,11 @@ def grad_norm(record: EngineRecord) -> float:
                 if mapping is not None:
                     local += _fragment(p, mapping).double().pow(2).sum().cpu()
     if group is not None and dist.is_initialized():
-        dist.all_reduce(local, group=group)
+        # the sums are on the CPU (offloaded gradients, or .cpu() above); the group's backend takes
+        # tensors of the run's device (NCCL: CUDA only)
+        summed = local.to(engine.device)
+        dist.all_reduce(summed, group=group)
+        local = summed.cpu()
     scale = float(getattr(engine.optimizer, "loss_scale", 1.0) or 1.0) if engine.fp16_enabled() else 1.0
     return float((local + replicated).sqrt()) / scale
 
