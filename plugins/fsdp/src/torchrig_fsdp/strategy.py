@@ -11,7 +11,8 @@ function that computes the global norm over sharded (DTensor) gradients, and, fo
 
 With one process there is nothing to shard (FSDP2 needs a process group): the model is left as
 it is, the precision plugin applies as under ``single``, and checkpoints are still written with
-``torch.distributed.checkpoint`` so that they load at another world size (1→2, 2→1).
+``torch.distributed.checkpoint`` so that they load at another world size (1→2, 2→1);
+``cpu_offload`` is refused there (it offloads shards: one process would offload nothing).
 
 Every option of ``fsdp_config`` and how it maps onto FSDP2 is tabled in ``docs/fsdp.md``.
 """
@@ -124,6 +125,12 @@ class FSDPStrategy:
         if run.cluster.world_size <= 1:
             if nd.parallelism(run).enabled:  # sizes that need several ranks are an error, not ignored
                 nd.mesh_layout(nd.parallelism(run), 1)
+            if fsdp_options(run).cpu_offload:  # offloading happens to shards: one process has none
+                raise FSDPConfigError(
+                    f"{SECTION}.cpu_offload (Accelerate: fsdp_offload_params) is on, but this run has one process: "
+                    "the fsdp strategy shards (and offloads) over the ranks of a process group, and with one process it "
+                    "leaves the model unsharded, so nothing would be offloaded; launch 2 or more processes (torchrig launch "
+                    "--num_processes N) or set cpu_offload: false")
             run.stash[MESH] = None
             return
         from torch.distributed.device_mesh import init_device_mesh
