@@ -9,7 +9,7 @@ accelerator = Accelerator()
 model = torch.nn.Linear(2, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 model, optimizer = accelerator.prepare(model, optimizer)
-accelerator.backward(model(torch.ones(4, 2)).sum())
+accelerator.backward(model(torch.ones(4, 2, device=accelerator.device)).sum())
 optimizer.step()
 (out / f"rank{accelerator.process_index}.txt").write_text(
     f"{accelerator.process_index} {accelerator.num_processes} {type(model).__name__}")

@@ -674,7 +674,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "launch_scripts", "fsdp_train.p
 SEED_FSDP_FILE = os.path.join(os.path.dirname(__file__), "data", "accelerate_fsdp_config.yaml")
 
 
-def _launch(tmp_path, *flags):
+def _launch(tmp_path, *flags, ranks=2):
     import json
 
     out = tmp_path / "out"
@@ -684,7 +684,7 @@ def _launch(tmp_path, *flags):
     command = [sys.executable, "-m", "torchrig", "launch", *flags, SCRIPT, str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, start_new_session=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    reports = [json.loads((out / f"report-{rank}.json").read_text()) for rank in range(2)]
+    reports = [json.loads((out / f"report-{rank}.json").read_text()) for rank in range(ranks)]
     return out, reports
 
 
@@ -706,11 +706,18 @@ def test_seed_fsdp_config_with_launch_flags_trains_on_two_cpu_processes(tmp_path
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_policy_and_cpu_offload_on_two_gpus(tmp_path):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA devices (FSDP over NCCL, one GPU per rank)")
-    _, reports = _launch(tmp_path, "--num_processes", "2", "--use_fsdp", "--mixed_precision", "bf16",
-                         "--fsdp_offload_params", "true", "--fsdp_state_dict_type", "SHARDED_STATE_DICT")
+def test_gpu_bf16_policy_and_cpu_offload_on_up_to_two_gpus(tmp_path):
+    """FSDP over NCCL, one GPU per rank: DTensor shards, the bf16 policy and CPU offload (which
+    the CPU tier refuses). With one GPU, offloading is refused at one process (nothing is sharded)."""
+    ranks = min(2, torch.cuda.device_count())
+    flags = ("--num_processes", str(ranks), "--use_fsdp", "--mixed_precision", "bf16", "--fsdp_offload_params", "true",
+             "--fsdp_state_dict_type", "SHARDED_STATE_DICT")
+    if ranks == 1:  # nothing to shard, so nothing to offload: refused, never silently ignored
+        with pytest.raises(AssertionError, match=r"cpu_offload .*this run has one process"):
+            _launch(tmp_path, *flags, ranks=ranks)
+        return
+    _, reports = _launch(tmp_path, *flags, ranks=ranks)
     for report in reports:
-        assert report["strategy"] == "fsdp" and report["param_type"] == "DTensor"
+        assert (report["strategy"], report["world"], report["mixed_precision"]) == ("fsdp", ranks, "bf16")
+        assert report["param_type"] == "DTensor"
         assert report["device"] == "cpu"  # offloaded shards live in CPU memory between steps
