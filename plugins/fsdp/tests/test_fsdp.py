@@ -333,7 +333,7 @@ def test_mixed_precision_policy_computes_low_keeps_fp32_shards(gloo_pool, precis
 
 
 def test_transformer_wrap_uses_classes_then_no_split_modules():
-    from torchrig_fsdp.strategy import wrap_blocks
+    from torchrig_fsdp.wrapping import wrap_blocks
 
     model = make_model()
     by_name = wrap_blocks(model, fsdp(auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_layer_cls_to_wrap="Block"))
@@ -343,7 +343,7 @@ def test_transformer_wrap_uses_classes_then_no_split_modules():
 
 
 def test_size_based_wrap_follows_torchs_bottom_up_rule():
-    from torchrig_fsdp.strategy import wrap_blocks
+    from torchrig_fsdp.wrapping import wrap_blocks
 
     model = make_model()  # each Block: 16*2 + 16*32+32 + 32*16+16 = 1104 parameters; each Linear in it 544 / 528
     assert wrap_blocks(model, fsdp(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=1000)) == list(model.blocks)
@@ -355,7 +355,8 @@ def test_size_based_wrap_follows_torchs_bottom_up_rule():
 
 
 def test_wrap_configuration_errors_name_the_key_and_the_fix():
-    from torchrig_fsdp.strategy import FSDPConfigError, wrap_blocks
+    from torchrig_fsdp.strategy import FSDPConfigError
+    from torchrig_fsdp.wrapping import wrap_blocks
 
     with pytest.raises(FSDPConfigError, match=r"fsdp_config.transformer_layer_cls_to_wrap: no module of class "
                                               r"'LlamaDecoderLayer' in TinyTransformer; its submodule classes are: "

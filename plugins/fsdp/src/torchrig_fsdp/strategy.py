@@ -14,7 +14,8 @@ it is, the precision plugin applies as under ``single``, and checkpoints are sti
 ``torch.distributed.checkpoint`` so that they load at another world size (1→2, 2→1);
 ``cpu_offload`` is refused there (it offloads shards: one process would offload nothing).
 
-Every option of ``fsdp_config`` and how it maps onto FSDP2 is tabled in ``docs/fsdp.md``.
+Which blocks get their own ``fully_shard``: :mod:`torchrig_fsdp.wrapping`. Every option of
+``fsdp_config`` and how it maps onto FSDP2 is tabled in ``docs/fsdp.md``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torchrig.config.resolve import Layer
-from torchrig.logging import get_logger
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
 from torchrig.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_loss_scaling
@@ -39,11 +38,11 @@ from torchrig.types import Capabilities, PreparedModel, StashKey
 from torchrig_fsdp import async_tp, pipeline, submeshes
 from torchrig_fsdp import checkpoint as fsdp_checkpoint
 from torchrig_fsdp import mesh as nd
+from torchrig_fsdp.explain import FSDPConfigError, noted
 from torchrig_fsdp.manifest import HYBRID, SECTION
 from torchrig_fsdp.materialize import MaterializeError, materialize, meta_modules
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
-
-logger = get_logger(__name__)
+from torchrig_fsdp.wrapping import as_modules, checkpoint_forward, wrap_blocks
 
 #: The device mesh of this run (built in ``torchrig_configure``; ``None`` with one process).
 MESH = StashKey[Any]("fsdp.mesh")
@@ -66,37 +65,9 @@ _FP16_TP_ALONE = ("mixed_precision: fp16 with tensor parallel alone (no dp_shard
                   "data axis (parallelism_config.dp_shard_size)")
 
 
-class FSDPConfigError(ValueError):
-    """An ``fsdp_config`` value that cannot be applied to this model or this job. The message
-    names the key and how to fix it."""
-
-
 def fsdp_options(run: RunContext) -> FullyShardedDataParallelPlugin:
     """The resolved ``fsdp_config`` section (with Python-only values such as ``ignored_modules``)."""
     return run.section(FullyShardedDataParallelPlugin)
-
-
-def _written_by_operator(run: RunContext, key: str) -> str | None:
-    """Where ``key`` was set when a machine default file, a config file, an environment variable
-    or a flag set it (an explicit choice for this run); None for defaults and ``Accelerator(...)``
-    arguments (an options object carries every field, chosen or not)."""
-    where = run.option_source(key)
-    return None if where is None or where.layer in (Layer.DEFAULT, Layer.ARGUMENT) else str(where)
-
-
-class _Once:
-    """Log each explanation once per process (no-op options, fallbacks), not once per prepare."""
-
-    def __init__(self) -> None:
-        self.seen: set[str] = set()
-
-    def info(self, key: str, message: str) -> None:
-        if key not in self.seen:
-            self.seen.add(key)
-            logger.info(message)
-
-
-_noted = _Once()
 
 
 def mesh_shape(strategy: str, world_size: int, num_nodes: int, local_world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -232,7 +203,7 @@ class FSDPStrategy:
             blocks = wrap_blocks(root, options, run)
             if options.activation_checkpointing:
                 for block in blocks:
-                    _checkpoint_forward(block)
+                    checkpoint_forward(block)
             kwargs = _shard_kwargs(run, options, root, shard_mesh)
             policy = kwargs.pop("mp_policy")
             # Blocks return what they computed in (a block's output feeds the next block or the root's
@@ -300,112 +271,6 @@ class FSDPStrategy:
                                                 offload_to_cpu=config.get("offload_to_cpu", True))
 
 
-# -- wrapping -----------------------------------------------------------------------------------
-
-
-def wrap_blocks(model: torch.nn.Module, options: FullyShardedDataParallelPlugin, run: RunContext | None = None) -> list[torch.nn.Module]:
-    """The submodules that get their own ``fully_shard`` (besides the root), children before
-    their parents, following ``auto_wrap_policy``."""
-    policy = options.auto_wrap_policy
-    ignored = {id(m) for m in _as_modules(options.ignored_modules)}
-    candidates = [m for m in _post_order(model) if m is not model and id(m) not in ignored]
-    if policy in (None, "NO_WRAP"):
-        return []
-    if callable(policy):  # FSDP1's protocol: policy(module, recurse, nonwrapped_numel) -> bool
-        return [m for m in candidates if policy(module=m, recurse=False, nonwrapped_numel=_numel(m))]
-    if policy == "SIZE_BASED_WRAP":
-        return _size_based(model, options.min_num_params, ignored)
-    names = options.transformer_layer_cls_to_wrap
-    key = f"{SECTION}.transformer_layer_cls_to_wrap"
-    if not names:
-        names = _no_split_modules(model)
-        if not names:
-            chosen = _written_by_operator(run, f"{SECTION}.auto_wrap_policy") if run is not None else "the options"
-            if chosen is None:
-                _noted.info("fsdp.root-only", (
-                    f"fsdp: {type(model).__name__} declares no _no_split_modules and {key} is not set: only the root "
-                    "module is sharded (one all-gather for the whole model). Set transformer_layer_cls_to_wrap or "
-                    "auto_wrap_policy: SIZE_BASED_WRAP to shard blocks separately."))
-                return []
-            raise FSDPConfigError(
-                f"{key}: auto_wrap_policy is TRANSFORMER_BASED_WRAP ({chosen}) but no classes are given and "
-                f"{type(model).__name__} declares no _no_split_modules; set {key} (e.g. --fsdp_transformer_layer_cls_to_wrap "
-                "MyBlock), or choose auto_wrap_policy SIZE_BASED_WRAP or NO_WRAP")
-    present = {type(m).__name__ for m in candidates}
-    missing = [name for name in names if name not in present]
-    if missing:
-        raise FSDPConfigError(
-            f"{key}: no module of class {', '.join(repr(n) for n in missing)} in {type(model).__name__}; its submodule "
-            f"classes are: {', '.join(sorted(present)) or '(none)'}")
-    wanted = set(names)
-    return [m for m in candidates if type(m).__name__ in wanted]
-
-
-def _post_order(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    for child in module.children():
-        yield from _post_order(child)
-    yield module
-
-
-def _numel(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _size_based(model: torch.nn.Module, min_num_params: int, ignored: set[int]) -> list[torch.nn.Module]:
-    """torch's ``size_based_auto_wrap_policy``: bottom-up, a submodule whose parameters not yet in a
-    wrapped child reach ``min_num_params`` gets its own ``fully_shard``. 0 means the root only."""
-    if min_num_params <= 0:
-        return []
-    blocks: list[torch.nn.Module] = []
-
-    def visit(module: torch.nn.Module) -> int:
-        remaining = sum(p.numel() for p in module.parameters(recurse=False))
-        for child in module.children():
-            if id(child) not in ignored:
-                remaining += visit(child)
-        if module is not model and remaining >= min_num_params:
-            blocks.append(module)
-            return 0
-        return remaining
-
-    visit(model)
-    return blocks
-
-
-def _no_split_modules(model: torch.nn.Module) -> list[str]:
-    """Hugging Face models name their repeated blocks in ``_no_split_modules`` (on the model or on
-    a submodule, e.g. the base model inside a task head)."""
-    names: list[str] = []
-    for module in model.modules():
-        for name in getattr(module, "_no_split_modules", None) or ():
-            if name not in names:
-                names.append(name)
-    return names
-
-
-def _as_modules(value: Any) -> list[torch.nn.Module]:
-    if value is None:
-        return []
-    if isinstance(value, torch.nn.Module):
-        return [value]
-    return [m for m in value if isinstance(m, torch.nn.Module)]
-
-
-def _checkpoint_forward(block: torch.nn.Module) -> None:
-    """Activation checkpointing of one block: its forward runs under ``torch.utils.checkpoint``
-    (non-reentrant), inside FSDP2's hooks, so the recomputation in backward finds the block's
-    parameters gathered. Parameter names are unchanged (unlike ``checkpoint_wrapper``)."""
-    from torch.utils.checkpoint import checkpoint
-
-    forward = block.forward
-
-    @functools.wraps(forward)
-    def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    block.forward = checkpointed
-
-
 def mixed_precision_policy(run: RunContext, options: FullyShardedDataParallelPlugin) -> MixedPrecisionPolicy:
     """``mixed_precision`` bf16/fp16: parameters cast to it for compute, gradients reduced in fp32,
     the root's outputs returned in fp32 (the loss is computed in full precision, as with autocast).
@@ -416,7 +281,7 @@ def mixed_precision_policy(run: RunContext, options: FullyShardedDataParallelPlu
         fields = {"param_dtype": dtype, "reduce_dtype": torch.float32, "output_dtype": torch.float32}
     for name, value in (options.mixed_precision_policy or {}).items():
         if name == "buffer_dtype":
-            _noted.info("fsdp.buffer_dtype", f"fsdp: {SECTION}.mixed_precision_policy.buffer_dtype has no effect: FSDP2 "
+            noted.info("fsdp.buffer_dtype", f"fsdp: {SECTION}.mixed_precision_policy.buffer_dtype has no effect: FSDP2 "
                                             "does not cast buffers")
             continue
         if isinstance(value, str):
@@ -432,7 +297,7 @@ def _shard_kwargs(run: RunContext, options: FullyShardedDataParallelPlugin, mode
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    ignored = {p for m in _as_modules(options.ignored_modules) for p in m.parameters()}
+    ignored = {p for m in as_modules(options.ignored_modules) for p in m.parameters()}
     if ignored:
         kwargs["ignored_params"] = ignored
     return kwargs
@@ -449,16 +314,16 @@ def _set_prefetch(blocks: list[torch.nn.Module], options: FullyShardedDataParall
 def _explain_no_ops(options: FullyShardedDataParallelPlugin) -> None:
     """FSDP1 options FSDP2 has no knob for: accepted, and said once (docs/fsdp.md tables them)."""
     if options.backward_prefetch == "BACKWARD_POST":
-        _noted.info("fsdp.backward_post", f"fsdp: {SECTION}.backward_prefetch BACKWARD_POST has no FSDP2 equivalent; "
+        noted.info("fsdp.backward_post", f"fsdp: {SECTION}.backward_prefetch BACKWARD_POST has no FSDP2 equivalent; "
                                          "FSDP2 prefetches the next block's all-gather in backward (as BACKWARD_PRE)")
     elif options.backward_prefetch == "NO_PREFETCH":
-        _noted.info("fsdp.no_prefetch", f"fsdp: {SECTION}.backward_prefetch NO_PREFETCH: no explicit prefetching is set; "
+        noted.info("fsdp.no_prefetch", f"fsdp: {SECTION}.backward_prefetch NO_PREFETCH: no explicit prefetching is set; "
                                        "FSDP2 still overlaps the next block's all-gather in backward (it has no off switch)")
     if not options.use_orig_params:
-        _noted.info("fsdp.use_orig_params", f"fsdp: {SECTION}.use_orig_params has no effect: FSDP2 always keeps the "
+        noted.info("fsdp.use_orig_params", f"fsdp: {SECTION}.use_orig_params has no effect: FSDP2 always keeps the "
                                            "original parameters (as DTensors)")
     if not options.limit_all_gathers:
-        _noted.info("fsdp.limit_all_gathers", f"fsdp: {SECTION}.limit_all_gathers has no effect: FSDP2 limits "
+        noted.info("fsdp.limit_all_gathers", f"fsdp: {SECTION}.limit_all_gathers has no effect: FSDP2 limits "
                                              "in-flight all-gathers itself")
 
 
@@ -604,4 +469,4 @@ def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0, *, 
 
 
 __all__ = ["MESH", "FSDPConfigError", "FSDPStrategy", "clip_grad_norm", "mesh_shape", "mixed_precision_policy",
-           "remap_optimizer", "wrap_blocks"]
+           "remap_optimizer"]
