@@ -40,7 +40,7 @@ def key_rows(schema: Schema) -> list[str]:
 def section_rows(schema: Schema) -> list[str]:
     rows = ["| section | options class | declared by |", "|---|---|---|"]
     for key, section in schema.sections.items():
-        rows.append(f"| `{key}` | `{section.options.__name__}` | {schema.section_owner[key]} |")
+        rows.append(f"| `{key}` | `{schema.options(key).__name__}` | {schema.section_owner[key]} |")
     return rows
 
 

@@ -439,3 +439,52 @@ def test_options_classes_are_usable_directly():
         FullyShardedDataParallelPlugin(state_dict_type="LOCAL_STATE_DICT")
     with pytest.raises(ValueError, match="must be one of"):
         DistributedDataParallelKwargs(comm_hook="int8")
+
+
+# -- sections declared by reference: built on first read --------------------------------------
+
+
+def test_a_plugin_section_no_source_sets_is_built_on_first_read_like_every_other(host):
+    """The fsdp, deepspeed, fp8 and ddp sections declare their options classes by reference; a run
+    that sets none of their keys builds them only when read, with the same values, sources and
+    order an eager resolution has (defaults, the schema's key order)."""
+    schema = Schema(host)
+    deferred = [key for key in schema.sections if schema.is_deferred(key)]
+    assert {"fsdp_config", "deepspeed_config", "fp8_config", "ddp_config"} <= set(deferred)
+    config = resolve(host)
+    assert config["fsdp_config.sharding_strategy"] == "FULL_SHARD"
+    assert config.source("fsdp_config.sharding_strategy").layer is Layer.DEFAULT
+    assert not config.is_set("ddp_config.bucket_cap_mb")
+    assert config.section_of(DeepSpeedPlugin).zero_stage == DeepSpeedPlugin().zero_stage
+    assert list(config) == schema.all_keys()
+    for key in deferred:
+        assert config.section(key) == schema.options(key)(), key
+        assert all(config.source(k).layer is Layer.DEFAULT for k in config if k.startswith(f"{key}."))
+    # A key set by any source builds its section with the others, checked as before.
+    config = resolve(host, environ={"TORCHRIG_FSDP_CONFIG__MIN_NUM_PARAMS": "5"})
+    assert config["fsdp_config.min_num_params"] == 5
+    assert config.source("fsdp_config.min_num_params").layer is Layer.ENV
+    assert "TORCHRIG_FSDP_CONFIG__MIN_NUM_PRAMS" in one(
+        problems_of(host, environ={"TORCHRIG_FSDP_CONFIG__MIN_NUM_PRAMS": "5"}), "unknown torchrig environment variable",
+        "TORCHRIG_FSDP_CONFIG__MIN_NUM_PARAMS")
+
+
+def test_a_section_whose_options_reference_is_wrong_fails_when_used_naming_the_section(fake_modules):
+    from torchrig.errors import PluginError
+    from torchrig.hookspecs import HOOK_API_VERSION
+    from torchrig.manifest import PluginManifest
+    from torchrig.testing import plugin_distribution
+    from torchrig.types import ConfigSection
+
+    class BrokenManifest(PluginManifest):
+        api_version = HOOK_API_VERSION
+        config_section = ConfigSection("zz_config", "tr_fake_no_such_module:Options")
+
+    fake_modules.add("tr_fake_broken_section", BrokenManifest=BrokenManifest)
+    broken = make_host(plugin_distribution("tr-fake", "1.0", [("strategy", "zz", None, "tr_fake_broken_section:BrokenManifest")]))
+    config = resolve(broken)  # nobody set a zz_config key: nothing imported yet
+    with pytest.raises(PluginError, match=r"section 'zz_config': its options class 'tr_fake_no_such_module:Options' "
+                                          r"failed to import: ModuleNotFoundError"):
+        config["zz_config.level"]
+    with pytest.raises(PluginError, match="'zz_config'"):
+        resolve(broken, environ={"TORCHRIG_ZZ_CONFIG__LEVEL": "1"})

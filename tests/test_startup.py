@@ -37,13 +37,21 @@ def test_a_run_reading_no_config_file_does_not_import_yaml(tmp_path):
     assert "yaml" in modules_after(FIRST_STEP, tmp_path, TORCHRIG_CONFIG_FILE=str(config))
 
 
+PLUGIN_OPTIONS = {"torchrig_ddp.options", "torchrig_fsdp.options", "torchrig_deepspeed.options", "torchrig_fp8.options",
+                  "torchrig_localsgd.options"}
+
+
 @pytest.mark.multiprocess
-def test_a_run_imports_no_checks_of_a_strategy_it_does_not_select(tmp_path):
-    """DeepSpeed's options class is described for every run; its configuration checks (a
-    600-line module) are imported only when the deepspeed strategy validates a configuration."""
+def test_a_run_imports_the_options_of_no_plugin_it_does_not_use(tmp_path):
+    """Every installed plugin's manifest is read, but its options class (declared by reference)
+    is imported only when the run uses its section; DeepSpeed's configuration checks (a 600-line
+    module) only when the deepspeed strategy validates a configuration."""
     modules = modules_after(FIRST_STEP, tmp_path)
-    assert "torchrig_deepspeed.options" in modules
-    assert "torchrig_deepspeed.config_checks" not in modules
+    assert {"torchrig_fsdp.manifest", "torchrig_deepspeed.manifest"} <= modules
+    assert not PLUGIN_OPTIONS & modules
+    touched = modules_after(FIRST_STEP, tmp_path, TORCHRIG_DEEPSPEED_CONFIG__ZERO_STAGE="2")
+    assert PLUGIN_OPTIONS & touched == {"torchrig_deepspeed.options"}
+    assert "torchrig_deepspeed.config_checks" not in touched
 
 
 @pytest.mark.multiprocess

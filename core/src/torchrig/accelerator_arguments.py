@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from torchrig.config.parallelism import parallelism_argument
-from torchrig.config.resolve import Schema
+from torchrig.config.sections import Schema, options_reference
 from torchrig.errors import ConfigError
 
 #: Accelerate arguments torchrig does not support, and why (passing one is an error, never ignored).
@@ -35,10 +35,10 @@ def accelerator_arguments(schema: Schema, **kwargs: Any) -> dict[str, Any]:
     """
     problems: list[str] = []
     arguments: dict[str, Any] = {}
-    sections_by_type = {section.options: key for key, section in schema.sections.items()}
+    sections_by_type = {options_reference(section.options): key for key, section in schema.sections.items()}
 
     def put_section_object(obj: Any, where: str, selects_strategy: bool = False) -> None:
-        key = sections_by_type.get(type(obj))
+        key = sections_by_type.get(options_reference(type(obj)))
         if key is None:
             problems.append(f"{where}: {type(obj).__name__} is not an options class of torchrig or an installed plugin")
             return

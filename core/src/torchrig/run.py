@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 
 from torchrig.config.options import CORE_SECTIONS
-from torchrig.config.resolve import ResolvedConfig, Schema, Source
+from torchrig.config.resolved import ResolvedConfig
+from torchrig.config.sections import Schema, options_reference
+from torchrig.config.sources import Source
 from torchrig.types import Capabilities, ClusterInfo, Stash
 
 T = TypeVar("T")
@@ -64,7 +66,7 @@ class RunContext:
         if isinstance(self.config, ResolvedConfig):
             return self.config.section_of(options)
         declared = (Schema(self.plugins).sections.values() if self.plugins is not None else CORE_SECTIONS)
-        keys = [section.key for section in declared if section.options is options]
+        keys = [section.key for section in declared if options_reference(section.options) == options_reference(options)]
         if not keys:
             raise KeyError(f"no installed plugin declares a configuration section of type {options.__qualname__}")
         prefix = keys[0] + "."

@@ -91,11 +91,14 @@ class Capabilities:
 class ConfigSection:
     """A plugin's own configuration section, e.g. ``fsdp_config`` with the FSDP options class.
 
-    ``aliases`` are other keys accepted for the same section (Accelerate's spellings).
+    ``options`` is the attrs options class, or its ``"module:Class"`` reference (entry-point
+    syntax, naming the module that defines it): a referenced class is imported only when a run
+    uses the section, so an installed plugin a run does not select costs it no import of its
+    options. ``aliases`` are other keys accepted for the same section (Accelerate's spellings).
     """
 
     key: str
-    options: type
+    options: type | str
     aliases: tuple[str, ...] = ()
     help: str = ""
     #: Values used when no source sets a key, if they differ from ``options()``'s own defaults

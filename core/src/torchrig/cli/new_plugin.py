@@ -87,7 +87,7 @@ validation): keep it importable without torch and without this plugin's heavy de
 from __future__ import annotations
 
 from torchrig import HOOK_API_VERSION, CliFlag, ConfigSection, PluginManifest
-$options_import
+
 
 class ${cls}Manifest(PluginManifest):
     api_version = HOOK_API_VERSION
@@ -99,12 +99,13 @@ class ${cls}Manifest(PluginManifest):
 $section'''
 
 _SECTIONS = {
-    "section": '''    config_section = ConfigSection("${name}_config", ${cls}Options, help="$section_help")
+    # The options class by reference: imported only by runs that use the section.
+    "section": '''    config_section = ConfigSection("${name}_config", "${package}.options:${cls}Options", help="$section_help")
     cli_flags = (
         CliFlag("--${name}_$flag_field", "${name}_config.$flag_field", "$flag_help", $flag_kwargs),
     )
 ''',
-    "none": '''    # A plugin with options declares them here: config_section = ConfigSection("<key>", OptionsClass)
+    "none": '''    # A plugin with options declares them here: config_section = ConfigSection("<key>", "package.options:Class")
     # and cli_flags = (CliFlag("--flag", "<key>.<field>", "help"),). This kind's hook receives
     # only the environment, so this one has none.
 ''',

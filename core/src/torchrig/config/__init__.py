@@ -5,7 +5,11 @@
   :mod:`torchrig.config.parsing`, imported only when a file is read);
 * :mod:`torchrig.config.schema` — declaring options (:func:`option`) and coercing values;
 * :mod:`torchrig.config.options` — the core's options (Accelerate's class names);
+* :mod:`torchrig.config.sections` — which keys exist (:class:`~torchrig.config.sections.Schema`), each
+  plugin's options class imported only when its section is used;
+* :mod:`torchrig.config.sources` — where a value came from (layers, sources);
 * :mod:`torchrig.config.resolve` — precedence, provenance, validation (:func:`resolve_config`);
+* :mod:`torchrig.config.resolved` — the result (:class:`~torchrig.config.resolved.ResolvedConfig`);
 * :mod:`torchrig.config.flags` — command-line flags for configuration keys;
 * :mod:`torchrig.config.compat` — what happens to each key of Accelerate's config files.
 """

@@ -20,13 +20,12 @@ with the script's arguments merged, with the same messages.
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import pathlib
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -34,20 +33,13 @@ from torchrig.config import compat
 from torchrig.config.loader import Document, resolve_extends
 from torchrig.config.options import CoreOptions
 from torchrig.config.parallelism import parallelism_problems
-from torchrig.config.schema import (
-    CoercionError,
-    FieldSpec,
-    Problem,
-    build_options,
-    coerce,
-    field_specs,
-    suggest,
-)
+from torchrig.config.resolved import DeferredSections, ResolvedConfig, lazy_tables
+from torchrig.config.schema import CoercionError, Problem, build_options, coerce, suggest
+from torchrig.config.sections import Schema
+from torchrig.config.sources import Entry, Layer, Note, Source
 from torchrig.errors import ConfigError
 from torchrig.plugin_host import PluginHost, PluginStatus
-from torchrig.types import ConfigProblem, ConfigSection
-
-T = TypeVar("T")
+from torchrig.types import ConfigProblem
 
 #: Environment variables with a meaning of their own, not configuration keys.
 CONFIG_FILE_ENV = "TORCHRIG_CONFIG_FILE"
@@ -62,57 +54,6 @@ class ConfigOverrideWarning(UserWarning):
     """A config file, environment variable or flag overrode an explicit ``Accelerator(...)`` argument."""
 
 
-class Layer(enum.IntEnum):
-    DEFAULT = 0
-    DEFAULT_FILE = 1
-    ARGUMENT = 2
-    CONFIG_FILE = 3
-    ENV = 4
-    FLAG = 5
-
-    @property
-    def label(self) -> str:
-        return {
-            Layer.DEFAULT: "default",
-            Layer.DEFAULT_FILE: "machine default file",
-            Layer.ARGUMENT: "argument",
-            Layer.CONFIG_FILE: "config file",
-            Layer.ENV: "environment",
-            Layer.FLAG: "flag",
-        }[self]
-
-
-@attrs.frozen
-class Source:
-    """Where a value came from: the layer and the exact place (file:line, variable, flag)."""
-
-    layer: Layer
-    detail: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.layer.label} {self.detail}".strip()
-
-
-@attrs.frozen
-class Entry:
-    """A value as a source gave it, before coercion."""
-
-    value: Any
-    source: Source
-    #: YAML source text of a plain scalar (``no`` that YAML 1.1 read as False).
-    raw: str | None = None
-
-
-@attrs.frozen
-class Note:
-    """An Accelerate key accepted with no effect, and why."""
-
-    key: str
-    value: Any
-    reason: str
-    source: Source
-
-
 def default_config_path(environ: Mapping[str, str] | None = None) -> pathlib.Path:
     """The machine's default config file: ``$TORCHRIG_CONFIG_HOME/default_config.yaml``, else
     ``~/.cache/torchrig/default_config.yaml``."""
@@ -124,73 +65,6 @@ def default_config_path(environ: Mapping[str, str] | None = None) -> pathlib.Pat
 def env_name(key: str) -> str:
     """``fsdp_config.sharding_strategy`` -> ``TORCHRIG_FSDP_CONFIG__SHARDING_STRATEGY``."""
     return ENV_PREFIX + key.upper().replace(".", "__")
-
-
-# --------------------------------------------------------------------------------------------
-# the schema: core options + every installed plugin's section
-
-
-class Schema:
-    """All keys torchrig accepts, derived from the core's and the plugins' options classes."""
-
-    def __init__(self, host: PluginHost) -> None:
-        self.host = host
-        self.problems: list[Problem] = []
-        self.root: dict[str, FieldSpec] = field_specs(CoreOptions)
-        self.root_index: dict[str, str] = {}
-        for name, spec in self.root.items():
-            self.root_index[name] = name
-            for alias in spec.info.aliases:
-                self.root_index[alias] = name
-        self.sections: dict[str, ConfigSection] = {}
-        self.section_owner: dict[str, str] = {}
-        self.section_index: dict[str, str] = {}
-        for owner, section in self._declared_sections():
-            if section.key in self.sections or section.key in self.root_index:
-                first = self.section_owner.get(section.key, "the core")
-                self.problems.append(Problem(section.key, f"declared by both {first} and {owner}; uninstall or disable one"))
-                continue
-            self.sections[section.key] = section
-            self.section_owner[section.key] = owner
-            for alias in (section.key, *section.aliases):
-                self.section_index[alias] = section.key
-        self.section_fields = {key: field_specs(s.options) for key, s in self.sections.items()}
-        self.section_keys: dict[str, dict[str, str]] = {}
-        for key, specs in self.section_fields.items():
-            index: dict[str, str] = {}
-            for name, spec in specs.items():
-                index[name] = name
-                for alias in spec.info.aliases:
-                    index[alias] = name
-            self.section_keys[key] = index
-
-    def _declared_sections(self) -> Iterator[tuple[str, ConfigSection]]:
-        for owner, call in self.host.iter_impls("torchrig_config_sections"):
-            for section in call() or ():
-                yield ("the core" if owner == "core:defaults" else owner.removesuffix("#manifest")), section
-
-    def spec(self, key: str) -> FieldSpec:
-        section, _, name = key.rpartition(".")
-        return self.section_fields[section][name] if section else self.root[name]
-
-    def all_keys(self) -> list[str]:
-        keys = list(self.root)
-        for section, specs in self.section_fields.items():
-            keys.extend(f"{section}.{name}" for name in specs)
-        return keys
-
-    def top_level_spellings(self) -> list[str]:
-        return [*self.root_index, *self.section_index, *compat.BY_KEY]
-
-    def plugin_lookup(self, kind: str) -> dict[str, str]:
-        """Lower-cased name or alias -> plugin name, for every discovered plugin of ``kind``."""
-        lookup: dict[str, str] = {}
-        for info in self.host.plugins(kind):
-            lookup[info.name.lower()] = info.name
-            if info.manifest is not None:
-                for alias in info.manifest.aliases:
-                    lookup.setdefault(alias.lower(), info.name)
-        return lookup
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,7 +109,7 @@ class _Reader:
 
     def _read_section(self, section: str, spelled: str, value: Any, entries: dict[str, Entry], source_of: Any,
                       raw_of: Any) -> None:
-        options_cls = self.schema.sections[section].options
+        options_cls = self.schema.options(section)
         if value is None:
             return
         if isinstance(value, options_cls):
@@ -244,7 +118,7 @@ class _Reader:
             self.problems.append(Problem(section, f"must be a mapping of {options_cls.__name__} options, got {value!r}",
                                          _where(source_of((spelled,), spelled))))
             return
-        index = self.schema.section_keys[section]
+        index = self.schema.key_index(section)
         for sub, sub_value in value.items():
             path = (spelled, sub)
             if sub in index:
@@ -296,18 +170,26 @@ def _document_entries(reader: _Reader, document: Document, layer: Layer) -> dict
 
 
 def _env_entries(schema: Schema, environ: Mapping[str, str], problems: list[Problem]) -> dict[str, Entry]:
-    names = {env_name(key): key for key in schema.all_keys()
-             if schema.spec(key).info.env and not schema.spec(key).info.python_only}
     entries: dict[str, Entry] = {}
+    names: dict[str, str] | None = None  # every variable's key: built only to name a wrong one
     for var, value in sorted(environ.items()):
         if not var.startswith(ENV_PREFIX) or var in RESERVED_ENV:
             continue
-        key = names.get(var)
-        if key is None:
-            problems.append(Problem(var, f"unknown torchrig environment variable{suggest(var, list(names))}", None))
-            continue
+        key = var[len(ENV_PREFIX):].lower().replace("__", ".")
+        if not (schema.has_key(key) and env_name(key) == var and _settable_from_env(schema, key)):
+            if names is None:
+                names = {env_name(k): k for k in schema.all_keys() if _settable_from_env(schema, k)}
+            if var not in names:
+                problems.append(Problem(var, f"unknown torchrig environment variable{suggest(var, list(names))}", None))
+                continue
+            key = names[var]
         entries[key] = Entry(value, Source(Layer.ENV, var))
     return entries
+
+
+def _settable_from_env(schema: Schema, key: str) -> bool:
+    info = schema.spec(key).info
+    return bool(info.env) and not info.python_only
 
 
 def _argument_entries(reader: _Reader, arguments: Mapping[str, Any]) -> dict[str, Entry]:
@@ -319,10 +201,9 @@ def _argument_entries(reader: _Reader, arguments: Mapping[str, Any]) -> dict[str
 
 def _flag_entries(schema: Schema, flags: Mapping[str, tuple[Any, str]], problems: list[Problem]) -> dict[str, Entry]:
     entries: dict[str, Entry] = {}
-    known = set(schema.all_keys())
     for key, (value, flag) in flags.items():
-        if key not in known:
-            problems.append(Problem(key, f"flag {flag} sets an unknown key{suggest(key, sorted(known))}", flag))
+        if not schema.has_key(key):
+            problems.append(Problem(key, f"flag {flag} sets an unknown key{suggest(key, sorted(schema.all_keys()))}", flag))
             continue
         entries[key] = Entry(value, Source(Layer.FLAG, flag))
     return entries
@@ -342,67 +223,6 @@ def launch_overrides(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
 
 def encode_launch_overrides(flags: Mapping[str, tuple[Any, str]]) -> str:
     return json.dumps({key: {"value": value, "flag": flag} for key, (value, flag) in flags.items()})
-
-
-# --------------------------------------------------------------------------------------------
-# the result
-
-
-@attrs.frozen(eq=False)
-class ResolvedConfig(Mapping[str, Any]):
-    """The configuration of one run: typed values by dotted key, each with its source.
-
-    ``config["mixed_precision"]``, ``config.source("mixed_precision")``,
-    ``config.section("fsdp_config")`` (the plugin's typed options object), ``config.core``.
-    """
-
-    values: dict[str, Any]
-    sources: dict[str, Source]
-    core: CoreOptions
-    sections: dict[str, Any]
-    notes: tuple[Note, ...] = ()
-    warnings: tuple[str, ...] = ()
-
-    def __getitem__(self, key: str) -> Any:
-        return self.values[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.values)
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def source(self, key: str) -> Source:
-        return self.sources[key]
-
-    def section(self, key: str) -> Any:
-        return self.sections[key]
-
-    def section_of(self, options: type[T]) -> T:
-        """The section whose options object is an ``options`` (its attrs class): the typed way to
-        read a section, with each default declared once, on the class."""
-        found = [value for value in self.sections.values() if type(value) is options]
-        if len(found) != 1:
-            raise KeyError(f"{'no' if not found else 'more than one'} configuration section of type "
-                           f"{options.__qualname__} in this run; sections: {', '.join(sorted(self.sections))}")
-        return found[0]
-
-    def is_set(self, key: str) -> bool:
-        """Whether any source other than the defaults set ``key``."""
-        return self.sources[key].layer is not Layer.DEFAULT
-
-    def explain(self) -> list[tuple[str, Any, Source]]:
-        return [(key, self.values[key], self.sources[key]) for key in self.values]
-
-    def to_nested(self, *, only_set: bool = False) -> dict[str, Any]:
-        """Nested mapping as a config file writes it (``only_set``: skip default values)."""
-        out: dict[str, Any] = {}
-        for key, value in self.values.items():
-            if only_set and not self.is_set(key):
-                continue
-            section, _, name = key.rpartition(".")
-            (out.setdefault(section, {}) if section else out)[name] = value
-        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,7 +254,7 @@ def resolve_config(
     notes: list[Note] = []
     reader = _Reader(schema, problems, notes)
 
-    layers: list[dict[str, Entry]] = [_defaults(schema)]
+    layers: list[dict[str, Entry]] = []
     if default_file is True:
         path = default_config_path(environ)
         default_file = path if path.is_file() else None
@@ -445,11 +265,17 @@ def resolve_config(
     layers.append(_env_entries(schema, environ, problems))
     flag_values = flags if flags is not None else _guarded_flags(problems, environ)
     layers.append(_flag_entries(schema, flag_values, problems))
+    # A section no source touched whose class is not imported yet is left to be built on first
+    # use (sections.py): the defaults of the others come first, as the lowest layer.
+    touched = {key.rpartition(".")[0] for layer in layers for key in layer}
+    deferred = [key for key in schema.sections if key not in touched and schema.is_deferred(key)]
+    built = [key for key in schema.sections if key not in deferred]
+    layers.insert(0, _defaults(schema, built))
 
     winners, override_messages = _merge(schema, layers)
     values = _coerce_all(schema, winners, problems)
     _resolve_plugin_names(schema, values, winners, problems)
-    core, sections = _build(schema, values, winners, problems)
+    core, sections = _build(schema, values, winners, problems, built)
     _choose_default_strategy(schema, values, winners, world_size, problems)
     _cross_checks(values, winners, problems)
     problems += parallelism_problems(values, lambda key: _where(winners[key].source) if key in winners else None,
@@ -463,13 +289,16 @@ def resolve_config(
         raise ConfigError([str(p) for p in _dedupe(problems)])
     assert core is not None
     core = attrs.evolve(core, strategy=values["strategy"])
+    tables = lazy_tables(values, {key: entry.source for key, entry in winners.items()}, sections,
+                         DeferredSections(deferred, lambda key: _build_deferred(schema, key), schema.all_keys))
     resolved = ResolvedConfig(
-        values=values,
-        sources={key: entry.source for key, entry in winners.items()},
+        values=tables[0],
+        sources=tables[1],
         core=core,
-        sections=sections,
+        sections=tables[2],
         notes=tuple(notes),
         warnings=tuple(message for _, message in override_messages),
+        declared=schema.sections,
     )
     plugin_problems = _plugin_validation(host, resolved)
     if plugin_problems:
@@ -496,15 +325,33 @@ def _guarded_flags(problems: list[Problem], environ: Mapping[str, str]) -> dict[
         return {}
 
 
-def _defaults(schema: Schema) -> dict[str, Entry]:
+def _defaults(schema: Schema, sections: Iterable[str]) -> dict[str, Entry]:
+    """The lowest layer: the core's defaults and those of ``sections``."""
     source = Source(Layer.DEFAULT)
     entries = {name: Entry(spec.default(), source) for name, spec in schema.root.items()}
-    for key, section in schema.sections.items():
-        base = section.default
-        for name, spec in schema.section_fields[key].items():
-            value = getattr(base, name) if base is not None else (spec.default() if spec.has_default else None)
-            entries[f"{key}.{name}"] = Entry(value, source)
+    for key in sections:
+        entries.update(_section_defaults(schema, key, source))
     return entries
+
+
+def _section_defaults(schema: Schema, key: str, source: Source) -> dict[str, Entry]:
+    base = schema.sections[key].default
+    return {f"{key}.{name}": Entry(getattr(base, name) if base is not None else (spec.default() if spec.has_default
+                                                                                 else None), source)
+            for name, spec in schema.fields(key).items()}
+
+
+def _build_deferred(schema: Schema, key: str) -> tuple[dict[str, Any], dict[str, Source], Any]:
+    """A deferred section, built when first read: its defaults, through the same coercion and
+    construction as every other section (a problem there is the plugin's: its defaults are bad)."""
+    entries = _section_defaults(schema, key, Source(Layer.DEFAULT))
+    problems: list[Problem] = []
+    values = _coerce_all(schema, entries, problems)
+    _resolve_plugin_names(schema, values, entries, problems)
+    _, sections = _build(schema, values, entries, problems, [key], core=False)
+    if problems:
+        raise ConfigError([str(p) for p in _dedupe(problems)])
+    return values, {k: entry.source for k, entry in entries.items()}, sections[key]
 
 
 def _merge(schema: Schema, layers: list[dict[str, Entry]]) -> tuple[dict[str, Entry], list[tuple[str, str]]]:
@@ -601,8 +448,8 @@ def _resolve_plugin_names(schema: Schema, values: dict[str, Any], winners: Mappi
         values[key] = resolved if isinstance(given, list) else (resolved[0] if resolved else None)
 
 
-def _build(schema: Schema, values: dict[str, Any], winners: Mapping[str, Entry],
-           problems: list[Problem]) -> tuple[CoreOptions | None, dict[str, Any]]:
+def _build(schema: Schema, values: dict[str, Any], winners: Mapping[str, Entry], problems: list[Problem],
+           section_keys: Iterable[str], *, core: bool = True) -> tuple[CoreOptions | None, dict[str, Any]]:
     def build(cls: type, prefix: str, names: Iterable[str]) -> Any:
         given = {name: values[f"{prefix}{name}"] for name in names if f"{prefix}{name}" in values}
         obj, found = build_options(cls, given, path=prefix.rstrip("."))
@@ -612,9 +459,9 @@ def _build(schema: Schema, values: dict[str, Any], winners: Mapping[str, Entry],
         problems.extend(found)
         return obj
 
-    core = build(CoreOptions, "", schema.root)
-    sections = {key: build(s.options, f"{key}.", schema.section_fields[key]) for key, s in schema.sections.items()}
-    return core, sections
+    built_core = build(CoreOptions, "", schema.root) if core else None
+    sections = {key: build(schema.options(key), f"{key}.", schema.fields(key)) for key in section_keys}
+    return built_core, sections
 
 
 def _choose_default_strategy(schema: Schema, values: dict[str, Any], winners: dict[str, Entry],

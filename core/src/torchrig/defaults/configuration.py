@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchrig.config.options import CORE_SECTIONS
 from torchrig.markers import hookimpl
-from torchrig.memory import MemoryEstimate, MemoryRequest, replicated_estimate
 from torchrig.types import ClusterInfo, LaunchPlan
+
+if TYPE_CHECKING:
+    from torchrig.memory import MemoryEstimate, MemoryRequest
 
 #: The pluggy name of this family (``torchrig config`` calls its sections "the core").
 NAME = "core:defaults"
@@ -34,6 +36,10 @@ class ConfigurationDefaults:
 
     @hookimpl(trylast=True)
     def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
+        # Imported here: only `torchrig estimate-memory` asks, and every run's start would pay
+        # for the module's classes otherwise (benchmark B12).
+        from torchrig.memory import replicated_estimate
+
         return replicated_estimate(request, request.strategy, f"{request.strategy} (replicated: everything whole)")
 
     @hookimpl

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from torchrig import HOOK_API_VERSION, CliFlag, ConfigSection, PluginManifest
 
-from torchrig_localsgd.options import LocalSGDKwargs
-
 SECTION = "localsgd_config"
 
 
@@ -19,7 +17,9 @@ class LocalSGDManifest(PluginManifest):
     install_hint = "torchrig-localsgd"
     distributed_type = "MULTI_{device}"  # data parallel over the selected device, as DDP
     exports = {"LocalSGDKwargs": "torchrig_localsgd.options:LocalSGDKwargs"}
-    config_section = ConfigSection(SECTION, LocalSGDKwargs, help="LocalSGDKwargs: how often parameters are averaged")
+    # By reference: the options module is imported only by runs that use localsgd_config.
+    config_section = ConfigSection(SECTION, "torchrig_localsgd.options:LocalSGDKwargs",
+                                   help="LocalSGDKwargs: how often parameters are averaged")
     cli_flags = (
         CliFlag("--localsgd_sync_every", f"{SECTION}.sync_every",
                 "average parameters across ranks every K optimizer steps", type="int", metavar="K"),

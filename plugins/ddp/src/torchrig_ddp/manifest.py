@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchrig.config.schema import suggest
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
-from torchrig.memory import MemoryEstimate, MemoryRequest
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
 
-from torchrig_ddp.options import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS, DistributedDataParallelKwargs
+if TYPE_CHECKING:
+    from torchrig.memory import MemoryEstimate, MemoryRequest
 
 SECTION = "ddp_config"
+#: ``comm_hook`` values: which ``torch.distributed.algorithms.ddp_comm_hooks`` hook to register.
+COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
+#: ``comm_wrapper`` values: a compression wrapper around a PowerSGD hook.
+COMM_WRAPPERS = ("no", "fp16", "bf16")
+#: Hooks that take a ``PowerSGDState`` (``comm_state_option``) and may be wrapped.
+POWER_SGD_HOOKS = ("power_sgd", "batched_power_sgd")
 
 
 class DDPManifest(PluginManifest):
@@ -36,7 +42,7 @@ class DDPManifest(PluginManifest):
         "DDPCommunicationHookType": "torchrig_ddp.options:DDPCommunicationHookType",
     }
     config_section = ConfigSection(
-        SECTION, DistributedDataParallelKwargs, aliases=("ddp_kwargs",),
+        SECTION, "torchrig_ddp.options:DistributedDataParallelKwargs", aliases=("ddp_kwargs",),
         help="DistributedDataParallelKwargs: DistributedDataParallel arguments and gradient communication hook",
     )
     cli_flags = (
@@ -57,7 +63,7 @@ class DDPManifest(PluginManifest):
     @hookimpl
     def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
         """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_ddp.memory`
-        (imported here: a run that never estimates loads only the manifest and its options)."""
+        (imported here: a run that never estimates loads only the manifest)."""
         from torchrig_ddp.memory import ddp_estimate
 
         return ddp_estimate(request)

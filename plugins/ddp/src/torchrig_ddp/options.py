@@ -15,12 +15,7 @@ import attrs
 from torchrig.config.options import KwargsHandler
 from torchrig.config.schema import at_least, enum_name, option
 
-#: ``comm_hook`` values: which ``torch.distributed.algorithms.ddp_comm_hooks`` hook to register.
-COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
-#: ``comm_wrapper`` values: a compression wrapper around a PowerSGD hook.
-COMM_WRAPPERS = ("no", "fp16", "bf16")
-#: Hooks that take a ``PowerSGDState`` (``comm_state_option``) and may be wrapped.
-POWER_SGD_HOOKS = ("power_sgd", "batched_power_sgd")
+from torchrig_ddp.manifest import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS
 
 
 class DDPCommunicationHookType(str, enum.Enum):

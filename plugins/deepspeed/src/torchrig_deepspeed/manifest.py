@@ -7,17 +7,19 @@ to derive the keys it reads; see :mod:`torchrig_deepspeed.config_checks`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
-from torchrig.memory import MemoryEstimate, MemoryRequest
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
 
-from torchrig_deepspeed.options import OFFLOAD_DEVICES, DeepSpeedPlugin
+if TYPE_CHECKING:
+    from torchrig.memory import MemoryEstimate, MemoryRequest
 
 SECTION = "deepspeed_config"
+#: Where ZeRO offloads optimizer state and parameters (``offload_*_device``).
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 class DeepSpeedManifest(PluginManifest):
@@ -35,7 +37,7 @@ class DeepSpeedManifest(PluginManifest):
                "GatheredParameters": "torchrig_deepspeed.compat:GatheredParameters",
                "get_active_deepspeed_plugin": "torchrig_deepspeed.compat:get_active_deepspeed_plugin"}
     config_section = ConfigSection(
-        SECTION, DeepSpeedPlugin,
+        SECTION, "torchrig_deepspeed.options:DeepSpeedPlugin",
         help="DeepSpeedPlugin: ZeRO stage, offload, clipping and the DeepSpeed JSON (deepspeed_config_file)",
     )
     cli_flags = (
@@ -63,7 +65,7 @@ class DeepSpeedManifest(PluginManifest):
     @hookimpl
     def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
         """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_deepspeed.memory`
-        (imported here: a run that never estimates loads only the manifest and its options)."""
+        (imported here: a run that never estimates loads only the manifest)."""
         from torchrig_deepspeed.memory import deepspeed_estimate
 
         return deepspeed_estimate(request)

@@ -22,8 +22,8 @@ import attrs
 from torchrig.config.schema import at_least, between, class_names, option
 
 from torchrig_deepspeed.ds_json import load_deepspeed_json
+from torchrig_deepspeed.manifest import OFFLOAD_DEVICES
 
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 #: The only ``deepspeed_multinode_launcher`` torchrig has: ``torchrig launch`` on each machine.
 STANDARD_LAUNCHER = "standard"
 

@@ -16,7 +16,18 @@ from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
 
-from torchrig_fp8.options import EMULATE_ENV, OTHER_BACKEND_KEYS, RECIPES, SECTION, AORecipeKwargs
+SECTION = "fp8_config"
+#: torchao's ``Float8LinearConfig.from_recipe_name`` recipes.
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+#: Accelerate's fp8 backends; only ``AO`` (torchao) is served.
+BACKENDS = ("AO", "TE", "MSAMP")
+#: Accelerate's keys of the TransformerEngine and MS-AMP backends (field name -> backend).
+OTHER_BACKEND_KEYS = {
+    "use_autocast_during_eval": "TE", "margin": "TE", "interval": "TE", "fp8_format": "TE",
+    "amax_history_len": "TE", "amax_compute_algo": "TE", "override_linear_precision": "TE", "opt_level": "MSAMP",
+}
+#: The environment variable of the emulation switch (the section's generic spelling).
+EMULATE_ENV = "TORCHRIG_FP8_CONFIG__EMULATE"
 
 #: fp8 matmuls (``torch._scaled_mm``) need CUDA compute capability 8.9 (Ada, Hopper) or newer.
 MIN_CAPABILITY = (8, 9)
@@ -36,7 +47,7 @@ class FP8Manifest(PluginManifest):
         "filter_first_and_last_linear_layers": "torchrig_fp8.convert:filter_first_and_last_linear_layers",
         "has_ao_layers": "torchrig_fp8.convert:has_ao_layers",
     }
-    config_section = ConfigSection(SECTION, AORecipeKwargs, aliases=("fp8_kwargs",),
+    config_section = ConfigSection(SECTION, "torchrig_fp8.options:AORecipeKwargs", aliases=("fp8_kwargs",),
                                    help="AORecipeKwargs / FP8RecipeKwargs: torchao fp8 recipe, layer filter, "
                                         "FSDP2 fp8 all-gather, emulation")
     cli_flags = (

@@ -17,18 +17,7 @@ import attrs
 from torchrig.config.options import KwargsHandler
 from torchrig.config.schema import option
 
-SECTION = "fp8_config"
-#: torchao's ``Float8LinearConfig.from_recipe_name`` recipes.
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-#: Accelerate's fp8 backends; only ``AO`` (torchao) is served.
-BACKENDS = ("AO", "TE", "MSAMP")
-#: Accelerate's keys of the TransformerEngine and MS-AMP backends (field name -> backend).
-OTHER_BACKEND_KEYS = {
-    "use_autocast_during_eval": "TE", "margin": "TE", "interval": "TE", "fp8_format": "TE",
-    "amax_history_len": "TE", "amax_compute_algo": "TE", "override_linear_precision": "TE", "opt_level": "MSAMP",
-}
-#: The environment variable of the emulation switch (the section's generic spelling).
-EMULATE_ENV = "TORCHRIG_FP8_CONFIG__EMULATE"
+from torchrig_fp8.manifest import BACKENDS, EMULATE_ENV, OTHER_BACKEND_KEYS, RECIPES, SECTION
 
 
 def _upper(value: Any) -> Any:

@@ -21,23 +21,21 @@ Decisions the checks encode (see also ``torchrig_fsdp.options``):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
-from torchrig.memory import MemoryEstimate, MemoryRequest
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
 
-from torchrig_fsdp.options import (
-    AUTO_WRAP_POLICIES,
-    BACKWARD_PREFETCH,
-    SHARDING_STRATEGIES,
-    STATE_DICT_TYPES,
-    FullyShardedDataParallelPlugin,
-)
+if TYPE_CHECKING:
+    from torchrig.memory import MemoryEstimate, MemoryRequest
 
 SECTION = "fsdp_config"
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
+AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
@@ -55,7 +53,7 @@ class FSDPManifest(PluginManifest):
         "merge_fsdp_weights": "torchrig_fsdp.merge:merge_fsdp_weights",
     }
     config_section = ConfigSection(
-        SECTION, FullyShardedDataParallelPlugin,
+        SECTION, "torchrig_fsdp.options:FullyShardedDataParallelPlugin",
         help="FullyShardedDataParallelPlugin (FSDP2); Accelerate's fsdp_* keys are accepted",
     )
     cli_flags = (
@@ -88,7 +86,7 @@ class FSDPManifest(PluginManifest):
     @hookimpl
     def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
         """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_fsdp.memory`
-        (imported here: a run that never estimates loads only the manifest and its options)."""
+        (imported here: a run that never estimates loads only the manifest)."""
         from torchrig_fsdp.memory import fsdp_estimate
 
         return fsdp_estimate(request)

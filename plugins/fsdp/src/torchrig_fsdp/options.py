@@ -35,10 +35,8 @@ from typing import Any
 import attrs
 from torchrig.config.schema import at_least, class_names, enum_name, option, suggest
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
-AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
-STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
+from torchrig_fsdp.manifest import AUTO_WRAP_POLICIES, BACKWARD_PREFETCH, SHARDING_STRATEGIES, STATE_DICT_TYPES
+
 #: ``min_num_params`` used by SIZE_BASED_WRAP when none is given: torch's
 #: ``size_based_auto_wrap_policy`` default (and Accelerate's questionnaire default).
 DEFAULT_MIN_NUM_PARAMS = 100_000_000
