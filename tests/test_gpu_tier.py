@@ -8,6 +8,7 @@ tests/test_launch.py and the plugins' tests; they use every visible GPU, up to t
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -39,14 +40,16 @@ def dataset(n: int = 64) -> TensorDataset:
     return TensorDataset(torch.randn(n, 8, generator=generator), torch.randint(0, 4, (n,), generator=generator))
 
 
-def train(accelerator: Accelerator, model: nn.Module, optimizer, loader, steps: int | None = None) -> list[float]:
+def train(accelerator: Accelerator, model: nn.Module, optimizer, batches, steps: int | None = None,
+          scheduler=None) -> list[float]:
+    """``steps`` steps (all, when None) on ``batches`` (a loader, or an iterator to go on with)."""
     losses = []
-    for i, (x, y) in enumerate(loader):
-        if steps is not None and i == steps:
-            break
+    for x, y in itertools.islice(batches, steps):
         loss = nn.functional.cross_entropy(model(x), y)
         accelerator.backward(loss)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
@@ -144,34 +147,21 @@ def _run(tmp_path, mixed_precision: str = "no"):
     return (accelerator, *accelerator.prepare(model, optimizer, scheduler, loader))
 
 
-def _steps(accelerator, model, optimizer, scheduler, iterator, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        x, y = next(iterator)
-        loss = nn.functional.cross_entropy(model(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("mixed_precision", ["no", "fp16"])
 def test_save_state_and_load_state_resume_bit_identically_with_the_cuda_rng(tmp_path, mixed_precision):
     accelerator, model, optimizer, scheduler, loader = _run(tmp_path, mixed_precision)
     iterator = iter(loader)
-    _steps(accelerator, model, optimizer, scheduler, iterator, 3)
+    train(accelerator, model, optimizer, iterator, 3, scheduler)
     accelerator.save_state(tmp_path / "ckpt")
-    expected_losses = _steps(accelerator, model, optimizer, scheduler, iterator, 5)
+    expected_losses = train(accelerator, model, optimizer, iterator, 5, scheduler)
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
     expected_draw = torch.rand(4, device=accelerator.device)
 
     torch.cuda.manual_seed_all(12345)  # a different cuda RNG, parameters and position
-    _steps(accelerator, model, optimizer, scheduler, iter(loader), 2)
+    train(accelerator, model, optimizer, iter(loader), 2, scheduler)
     accelerator.load_state(tmp_path / "ckpt")
     iterator = iter(loader)
-    assert _steps(accelerator, model, optimizer, scheduler, iterator, 5) == expected_losses
+    assert train(accelerator, model, optimizer, iterator, 5, scheduler) == expected_losses
     got = model.state_dict()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert torch.equal(torch.rand(4, device=accelerator.device), expected_draw)
