@@ -66,7 +66,8 @@ class RunContext:
         if isinstance(self.config, ResolvedConfig):
             return self.config.section_of(options)
         declared = (Schema(self.plugins).sections.values() if self.plugins is not None else CORE_SECTIONS)
-        keys = [section.key for section in declared if options_reference(section.options) == options_reference(options)]
+        reference = options_reference(options)
+        keys = [section.key for section in declared if options_reference(section.options) == reference]
         if not keys:
             raise KeyError(f"no installed plugin declares a configuration section of type {options.__qualname__}")
         prefix = keys[0] + "."

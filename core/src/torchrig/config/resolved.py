@@ -141,12 +141,10 @@ class ResolvedConfig(Mapping[str, Any]):
         read a section, with each default declared once, on the class."""
         reference = options_reference(options)
         keys = [key for key, section in self.declared.items() if options_reference(section.options) == reference]
-        found = [self.sections[key] for key in keys] if self.declared else \
-            [value for value in self.sections.values() if type(value) is options]
-        if len(found) != 1:
-            raise KeyError(f"{'no' if not found else 'more than one'} configuration section of type "
-                           f"{options.__qualname__} in this run; sections: {', '.join(sorted(self.sections))}")
-        return found[0]
+        if len(keys) != 1:
+            raise KeyError(f"{'no' if not keys else 'more than one'} configuration section of type "
+                           f"{options.__qualname__} in this run; sections: {', '.join(sorted(self.declared))}")
+        return self.sections[keys[0]]
 
     def is_set(self, key: str) -> bool:
         """Whether any source other than the defaults set ``key``."""
