@@ -11,7 +11,6 @@ copy), places batches and stops at preemption's step boundaries."""
 
 from __future__ import annotations
 
-import collections
 import copy
 import itertools
 import operator
@@ -23,7 +22,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from torchrig.data.dispatch import dispatched
-from torchrig.data.passes import Pass, PassEnd, Position
+from torchrig.data.passes import EPOCH_START, Pass, PassEnd, Position
 from torchrig.data.plan import (
     LOADER_KWARGS,
     BatchMeta,
@@ -304,7 +303,7 @@ class PreparedDataLoader:
         p = self._pass
         if p is not None and not p.finished:
             return p.epoch, p.position
-        return self._next_epoch, self._pending or Position()
+        return self._next_epoch, self._pending or EPOCH_START
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next pass starts if this state is loaded (module docstring)."""
@@ -425,19 +424,18 @@ class PreparedDataLoader:
 
     def _map_batches(self, p: Pass, slots: Sequence[int]) -> tuple[Iterator[Any], Iterator[BatchMeta]]:
         """(batches, their metas) of the map-style pass, for the given slots: the rebuilt loader's
-        iterator, and the FIFO the plan records each batch's meta in as the loader takes its
-        indices (ahead of the batch with workers); they pair up in order (DataLoader keeps it)."""
-        fifo: collections.deque[BatchMeta] = collections.deque()
+        iterator over the plan's index lists, and the plan's metas in the same order (DataLoader
+        keeps the order, with workers too), so they pair up as batches come out."""
         if self._kind == "batches":
             batches = self._epoch_batches(p.epoch)
             start = p.start.global_batches
-            p.start.samples = sum(len(batch) for batch in batches[:start])
-            parts = batch_parts(batches, start, self._layout, slots, fifo.append)
+            p.start = p.start._replace(samples=sum(len(batch) for batch in batches[:start]))
+            parts, metas = batch_parts(batches, start, self._layout, slots)
         else:
             order, n = self._epoch_order(p.epoch)
-            parts = index_parts(order, n, p.start.samples, self._layout, slots, fifo.append)
+            parts, metas = index_parts(order, n, p.start.samples, self._layout, slots)
         self._plan().source = parts
-        return iter(self._rebuilt_map_loader()), iter(fifo.popleft, None)
+        return iter(self._rebuilt_map_loader()), metas
 
     def _iterable_source(self, p: Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
         loader = self._rebuilt_iterable_loader(p.start.samples, slots)
@@ -469,7 +467,7 @@ class PreparedDataLoader:
         start = self._pending
         self._pending = None
         self._next_epoch = epoch + 1
-        self._pass = Pass(epoch, Position() if start is None else attrs.evolve(start))
+        self._pass = Pass(epoch, EPOCH_START if start is None else start)
         origin = self._origin
         if origin is not None and origin._next_epoch == epoch and not (origin._pass and origin._pass.running):
             # Accelerate's resume pattern: load_state, then iterate skip_first_batches(loader, n) for the rest of

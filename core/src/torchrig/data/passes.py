@@ -4,9 +4,7 @@ handed out (from which its position and end-of-data flags are read), and how it 
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any
-
-import attrs
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torchrig.data.plan import BatchMeta
 
@@ -14,26 +12,31 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchrig.data.loader import PreparedDataLoader
 
 
-@attrs.define
-class Position:
+class Position(NamedTuple):
+    """Where a pass stands (or starts) in its epoch: samples of all ranks, this rank's batches,
+    per-rank batches of all ranks. Immutable: a pass may start from a shared one."""
+
     samples: int = 0
     batches: int = 0
     global_batches: int = 0
 
 
-def _delivered_log() -> collections.deque[BatchMeta]:
-    return collections.deque(maxlen=1)
+EPOCH_START = Position()
 
 
-@attrs.define(eq=False)
 class Pass:
-    epoch: int
-    #: Where the pass started.
-    start: Position
-    #: The meta of the last batch handed out (filled from C code on the fast path).
-    delivered: collections.deque[BatchMeta] = attrs.field(factory=_delivered_log)
-    complete: bool = False
-    running: bool = True
+    """One pass of a prepared loader (``__slots__``: one is made per epoch, on the hot path)."""
+
+    __slots__ = ("epoch", "start", "delivered", "complete", "running")
+
+    def __init__(self, epoch: int, start: Position) -> None:
+        self.epoch = epoch
+        #: Where the pass started.
+        self.start = start
+        #: The meta of the last batch handed out (filled from C code on the fast path).
+        self.delivered: collections.deque[BatchMeta] = collections.deque(maxlen=1)
+        self.complete = False
+        self.running = True
 
     @property
     def position(self) -> Position:
@@ -41,8 +44,8 @@ class Pass:
         if not self.delivered:
             return self.start
         meta, start = self.delivered[0], self.start
-        return Position(samples=start.samples + meta.samples_done, batches=start.batches + meta.round + 1,
-                         global_batches=start.global_batches + meta.global_batches_done)
+        return Position(start.samples + meta.samples_done, start.batches + meta.round + 1,
+                        start.global_batches + meta.global_batches_done)
 
     @property
     def finished(self) -> bool:
@@ -82,4 +85,4 @@ class PassEnd:
         self.close()
 
 
-__all__ = ["Pass", "PassEnd", "Position"]
+__all__ = ["EPOCH_START", "Pass", "PassEnd", "Position"]

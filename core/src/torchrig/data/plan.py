@@ -4,10 +4,12 @@ batches and each rank's part of them, from a start position (the sharding rules 
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 import operator
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
@@ -97,51 +99,77 @@ def _tail(order: Any, n: int, pos: int, layout: Layout) -> list[list[Any] | None
     return parts
 
 
-def index_parts(order: Any, n: int, start: int, layout: Layout, slots: Sequence[int],
-                record: Callable[[BatchMeta], None]) -> Iterator[list[Any]]:
-    """The indices of the given ranks' batches of an index order, from global position ``start``;
-    each batch's :class:`BatchMeta` goes to ``record`` first. Per batch: one list slice and one
-    tuple (the hot path of a map-style pass)."""
+def _full_parts(order: Any, start: int, full: int, b: int, world: int, slots: Sequence[int]) -> Iterator[list[Any]]:
+    """The given ranks' batches of the ``full`` complete global batches after ``start``: rank
+    r's batch k is positions ``[k*g + r*b, k*g + (r+1)*b)``. Cut by C code: a tensor order
+    becomes every batch's list in one ``tolist`` (of these ranks' indices only), a list or range
+    is sliced lazily by C iterators — no Python frame per batch."""
+    g = b * world
+    if full <= 0:
+        return iter(())
+    if isinstance(order, torch.Tensor):
+        order = order.contiguous()
+        if len(slots) == 1:  # one rank's pass (the usual case): a (full, b) view, rows g apart
+            rows = order.as_strided((full, b), (g, 1), order.storage_offset() + start + slots[0] * b)
+            return iter(rows.tolist())
+        return iter(order[start:start + full * g].view(full, world, b)[:, list(slots)].reshape(-1, b).tolist())
+    firsts: Sequence[int] = (range(start + slots[0] * b, start + full * g, g) if len(slots) == 1
+                             else [lo + slot * b for lo in range(start, start + full * g, g) for slot in slots])
+    cuts = map(order.__getitem__, map(slice, firsts, map(operator.add, firsts, itertools.repeat(b))))
+    return cuts if type(order) is list else map(list, cuts)  # a range's slices are ranges
+
+
+def _full_metas(full: int, g: int, world: int, slots: Sequence[int], final: Sequence[int]) -> Iterator[BatchMeta]:
+    """The :class:`BatchMeta` of each batch :func:`_full_parts` yields, in the same order, made
+    by C iterators (``tuple.__new__`` over zipped counters: no Python call per batch)."""
+    if full <= 0:
+        return iter(())
+    m = len(slots)
+
+    def per_batch(values: Iterable[Any]) -> Iterator[Any]:  # each round's value once per slot
+        return iter(values) if m == 1 else itertools.chain.from_iterable(map(itertools.repeat, values, itertools.repeat(m)))
+
+    repeat = itertools.repeat
+    last = itertools.chain(repeat(False, (full - 1) * m), [final[slot] == full - 1 for slot in slots])
+    fields = zip(per_batch(range(full)), repeat(g), repeat(world), itertools.cycle(slots), repeat(world),
+                 per_batch(range(g, (full + 1) * g, g)), per_batch(range(world, (full + 1) * world, world)), last)
+    return map(tuple.__new__, repeat(BatchMeta), fields)
+
+
+def index_parts(order: Any, n: int, start: int, layout: Layout,
+                slots: Sequence[int]) -> tuple[Iterator[list[Any]], Iterator[BatchMeta]]:
+    """The indices of the given ranks' batches of an index order from global position ``start``,
+    and each batch's :class:`BatchMeta`, in the same order (the hot path of a map-style pass:
+    both iterators run in C, one ``tolist`` per pass for a shuffled order)."""
     b, world = layout.per_rank, layout.world
     assert b is not None
     g = b * world
     full = max(0, (n - start) // g)
     real = n - start - full * g
-    parts = _tail(order, n, start + full * g, layout) if real > 0 and not layout.drop_last else None
+    tail = _tail(order, n, start + full * g, layout) if real > 0 and not layout.drop_last else None
     # The round of each rank's last batch: the tail's, if the rank has a part of it.
-    final = [full if parts is not None and parts[slot] is not None else full - 1 for slot in range(world)]
-    # Full rounds: rank r's batch k is positions [k*g + r*b, k*g + (r+1)*b) after ``start``.
-    stride, offset = g, [slot * b for slot in range(world)]
-    if isinstance(order, torch.Tensor):
-        if len(slots) == 1:  # one rank's pass (the usual case): only its indices become Python ints
-            order = order[start:start + full * g].view(full, world, b)[:, slots[0]].reshape(-1).tolist()
-            stride, offset, start = b, [0] * world, 0
-        else:
-            order = order.tolist()  # once per epoch (as torch's samplers do): list slices are cheap
-    listed = type(order) is list  # else a range (sequential sampling, never materialised)
-    meta = tuple.__new__  # a BatchMeta without a Python-level __new__ call per batch
-    pos = start
-    for index in range(full):
-        done = index + 1
-        for slot in slots:
-            lo = pos + offset[slot]
-            record(meta(BatchMeta, (index, g, world, slot, world, done * g, done * world, index == final[slot])))
-            yield order[lo:lo + b] if listed else list(order[lo:lo + b])
-        pos += stride
-    if parts is None:
-        return
-    nparts, real_batches = len(parts) - parts.count(None), math.ceil(real / b)
-    for slot in slots:
-        part = parts[slot]
-        if part is not None:
-            record(BatchMeta(full, real, real_batches, slot, nparts, full * g + real, full * world + real_batches, True))
-            yield part
+    final = [full if tail is not None and tail[slot] is not None else full - 1 for slot in range(world)]
+    parts, metas = _full_parts(order, start, full, b, world, slots), _full_metas(full, g, world, slots, final)
+    if tail is None:
+        return parts, metas
+    nparts, real_batches = len(tail) - tail.count(None), math.ceil(real / b)
+    ends = [slot for slot in slots if tail[slot] is not None]
+    return (itertools.chain(parts, [tail[slot] for slot in ends]),
+            itertools.chain(metas, [BatchMeta(full, real, real_batches, slot, nparts, full * g + real,
+                                              full * world + real_batches, True) for slot in ends]))
 
 
-def batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout, slots: Sequence[int],
-                record: Callable[[BatchMeta], None]) -> Iterator[list[Any]]:
-    """The indices of the given ranks' batches of a custom batch sampler's batch list, from global
-    batch ``start``; each batch's :class:`BatchMeta` goes to ``record`` first."""
+def batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout,
+                slots: Sequence[int]) -> tuple[Iterator[list[Any]], Iterator[BatchMeta]]:
+    """The indices of the given ranks' batches of a custom batch sampler's batch list from global
+    batch ``start``, and each batch's :class:`BatchMeta` in the same order. Batches are checked
+    (``split_batches``) as they are reached, so the metas queue up as the parts are read."""
+    fifo: collections.deque[BatchMeta] = collections.deque()
+    return _batch_parts(batches, start, layout, slots, fifo.append), iter(fifo.popleft, None)
+
+
+def _batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout, slots: Sequence[int],
+                 record: Callable[[BatchMeta], None]) -> Iterator[list[Any]]:
     world, nb = layout.world, len(batches)
     done = 0
     if layout.split:
