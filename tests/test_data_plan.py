@@ -1,4 +1,4 @@
-"""The plan of a pass (torchrig.data.plan.index_parts) against the sharding rules written out
+"""The plan of a pass (torchrig.data.plan.index_parts, batch_parts) against the sharding rules written out
 sample by sample: every order type (shuffled tensor, a strided view, list, range), one rank's slot or all of
 them (dispatch), any start position, even/uneven, drop_last."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from torchrig.data.plan import BatchMeta, Layout, index_parts
+from torchrig.data.plan import BatchMeta, Layout, batch_parts, index_parts
 
 
 def rules(order: list[int], start: int, layout: Layout, slots: tuple[int, ...]) -> list[tuple[list[int], BatchMeta]]:
@@ -64,7 +64,17 @@ def test_the_plan_follows_the_sharding_rules(n, b, world, data, even, drop_last,
     # "view": an order that is a strided view into a larger tensor (offset, not contiguous).
     order = {"tensor": shuffled, "view": torch.stack([shuffled + 100, shuffled], dim=1)[:, 1], "list": shuffled.tolist(),
              "range": range(n)}[kind]
-    parts, metas = index_parts(order, n, start, layout, slots)
-    got = list(zip(parts, metas, strict=True))
+    plan = index_parts(order, n, start, layout, slots)
+    got = list(zip(plan.parts, plan.metas(), strict=True))
     assert got == rules(shuffled.tolist(), start, layout, slots)  # a part that is not a list (a range) fails here
-    assert all(type(meta) is BatchMeta for _, meta in got)
+    assert plan.count == len(got) and all(type(meta) is BatchMeta for _, meta in got)
+    if len(slots) == 1:  # a counted pass's end-of-data test: the plan's last batch is the rank's last
+        assert [meta.last for _, meta in got] == [k == plan.count - 1 for k in range(plan.count)]
+
+
+def test_a_batch_split_batches_cannot_split_is_refused_before_the_pass_hands_out_any():
+    batches = [[0, 1], [2, 3], [4, 5, 6], [7, 8]]
+    with pytest.raises(ValueError, match=r"batch 2 of the batch sampler has 3 samples.*across 2 processes"):
+        batch_parts(batches, 0, Layout(2, 0, None, True, True, False), (0,))
+    plan = batch_parts(batches, 3, Layout(2, 1, None, True, True, False), (1,))  # resumed past it
+    assert list(plan.parts) == [[8]] and plan.meta(0) == BatchMeta(0, 2, 1, 1, 2, 2, 1, True)

@@ -59,8 +59,11 @@ class GradientState:
         self.active_dataloaders.append(loader)
 
     def exit_dataloader(self, loader: Any) -> None:
-        if loader in self.active_dataloaders:
-            self.active_dataloaders.remove(loader)
+        loaders = self.active_dataloaders
+        if loaders and loaders[-1] is loader:  # the innermost (the usual case)
+            loaders.pop()
+        elif loader in loaders:
+            loaders.remove(loader)
 
 
 #: Where the run keeps its :class:`GradientState`.

@@ -3,9 +3,9 @@ batches, keeps the resume position and the end-of-data flags.
 
 The hot path is :meth:`PreparedDataLoader._fast_pass` (map-style data, batches already where
 they belong, no preemption armed): the batches come out of torch's loader iterator through C
-iterators only, each batch's :class:`BatchMeta` lands in the pass's ``delivered`` as the batch
-is handed out, and the position and end-of-data flags are read off that meta when asked — no
-frame of torchrig's per batch. Every other pass runs :meth:`PreparedDataLoader._iterate`, a
+iterators only, each batch's number lands in the pass's ``delivered`` as the batch is handed
+out, and the position and end-of-data flags are worked out from that number by the pass's
+plan when asked — no frame of torchrig's and no object of its own per batch. Every other pass runs :meth:`PreparedDataLoader._iterate`, a
 generator that reads one batch ahead (streams: to know the last one; devices: to overlap the
 copy), places batches and stops at preemption's step boundaries."""
 
@@ -27,6 +27,7 @@ from torchrig.data.plan import (
     LOADER_KWARGS,
     BatchMeta,
     Layout,
+    PassPlan,
     PlanBatchSampler,
     ShardedIterable,
     TaggedCollate,
@@ -207,12 +208,12 @@ class PreparedDataLoader:
     def end_of_dataloader(self) -> bool:
         """True while this loader's last batch of a pass is being processed."""
         p = self._pass
-        return p is not None and p.running and bool(p.delivered) and p.delivered[0].last
+        return p is not None and p.running and p.at_last_batch()
 
     @property
     def remainder(self) -> int:
         """Real samples of the final global batch (on the last batch), else -1."""
-        return self._pass.delivered[0].real_samples if self.end_of_dataloader else -1  # type: ignore[union-attr]
+        return self._pass.last().real_samples if self.end_of_dataloader else -1  # type: ignore[union-attr]
 
     @property
     def epoch(self) -> int:
@@ -422,20 +423,20 @@ class PreparedDataLoader:
         with lent_generator([batches, getattr(batches, "sampler", None)], epoch_seed(self._seed, epoch)):
             return [list(batch) for batch in batches]
 
-    def _map_batches(self, p: Pass, slots: Sequence[int]) -> tuple[Iterator[Any], Iterator[BatchMeta]]:
-        """(batches, their metas) of the map-style pass, for the given slots: the rebuilt loader's
-        iterator over the plan's index lists, and the plan's metas in the same order (DataLoader
-        keeps the order, with workers too), so they pair up as batches come out."""
+    def _map_batches(self, p: Pass, slots: Sequence[int]) -> tuple[Iterator[Any], PassPlan]:
+        """The map-style pass's batches for the given slots (the rebuilt loader's iterator over
+        the plan's index lists) and its plan, whose k-th meta is the k-th batch's (DataLoader
+        keeps the order, with workers too)."""
         if self._kind == "batches":
             batches = self._epoch_batches(p.epoch)
             start = p.start.global_batches
             p.start = p.start._replace(samples=sum(len(batch) for batch in batches[:start]))
-            parts, metas = batch_parts(batches, start, self._layout, slots)
+            plan = batch_parts(batches, start, self._layout, slots)
         else:
             order, n = self._epoch_order(p.epoch)
-            parts, metas = index_parts(order, n, p.start.samples, self._layout, slots)
-        self._plan().source = parts
-        return iter(self._rebuilt_map_loader()), metas
+            plan = index_parts(order, n, p.start.samples, self._layout, slots)
+        self._plan().source = plan.parts
+        return iter(self._rebuilt_map_loader()), plan
 
     def _iterable_source(self, p: Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:
         loader = self._rebuilt_iterable_loader(p.start.samples, slots)
@@ -457,8 +458,8 @@ class PreparedDataLoader:
         self._prepare_source(p)
         if self._kind == "iterable":
             return self._iterable_source(p, slots)
-        # C iterators only: no Python frame per batch between the torch loader and the pass.
-        return zip(*self._map_batches(p, slots))
+        batches, plan = self._map_batches(p, slots)
+        return zip(batches, plan.metas())
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -491,18 +492,19 @@ class PreparedDataLoader:
 
     def _fast_pass(self) -> Iterator[Any]:
         """One map-style pass of batches that need no placement, with no step boundary to keep:
-        torch's loader iterator, each batch's meta appended to the pass's ``delivered`` (C calls)
-        as the batch is handed out, and :class:`PassEnd` to close the pass."""
+        torch's loader iterator, each batch's number appended to the pass's ``delivered`` (C
+        calls) as the batch is handed out, and :class:`PassEnd` to close the pass."""
         p = self._begin_pass()
         self.gradient_state.enter_dataloader(self)
         end = PassEnd(self, p)
         try:
             self._prepare_source(p)
-            batches, metas = self._map_batches(p, (self._layout.rank,))
+            batches, plan = self._map_batches(p, (self._layout.rank,))
         except BaseException:
             end.close()
             raise
-        handed = zip(batches, map(p.delivered.append, metas))
+        p.plan = plan  # a counted pass: each batch's number lands in `delivered` as it is handed out
+        handed = zip(batches, map(p.delivered.append, itertools.count(1)))
         return itertools.chain(map(_batch_of, handed), end)
 
     def _iterate(self) -> Iterator[Any]:

@@ -4,12 +4,11 @@ batches and each rank's part of them, from a start position (the sharding rules 
 
 from __future__ import annotations
 
-import collections
 import itertools
 import math
 import operator
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
@@ -119,28 +118,43 @@ def _full_parts(order: Any, start: int, full: int, b: int, world: int, slots: Se
     return cuts if type(order) is list else map(list, cuts)  # a range's slices are ranges
 
 
-def _full_metas(full: int, g: int, world: int, slots: Sequence[int], final: Sequence[int]) -> Iterator[BatchMeta]:
-    """The :class:`BatchMeta` of each batch :func:`_full_parts` yields, in the same order, made
-    by C iterators (``tuple.__new__`` over zipped counters: no Python call per batch)."""
-    if full <= 0:
-        return iter(())
-    m = len(slots)
+class PassPlan:
+    """One pass's batches for the given slots: their index lists (``parts``, in the order the
+    loader takes them), how many there are (``count``), and the :class:`BatchMeta` of the k-th,
+    worked out when asked (:meth:`meta`) — so a pass hands batches out without making a meta per
+    batch, and its position is just the number it handed out.
 
-    def per_batch(values: Iterable[Any]) -> Iterator[Any]:  # each round's value once per slot
-        return iter(values) if m == 1 else itertools.chain.from_iterable(map(itertools.repeat, values, itertools.repeat(m)))
+    The complete global batches follow one rule (``full`` rounds of ``g`` samples, each slot's
+    part in turn); what is left (a short final global batch, a custom sampler's batches) is
+    ``listed``."""
 
-    repeat = itertools.repeat
-    last = itertools.chain(repeat(False, (full - 1) * m), [final[slot] == full - 1 for slot in slots])
-    fields = zip(per_batch(range(full)), repeat(g), repeat(world), itertools.cycle(slots), repeat(world),
-                 per_batch(range(g, (full + 1) * g, g)), per_batch(range(world, (full + 1) * world, world)), last)
-    return map(tuple.__new__, repeat(BatchMeta), fields)
+    __slots__ = ("parts", "count", "_full", "_g", "_world", "_slots", "_final", "_listed")
+
+    def __init__(self, parts: Iterator[list[Any]], *, slots: Sequence[int], world: int, full: int = 0, g: int = 0,
+                 final: Sequence[int] = (), listed: Sequence[BatchMeta] = ()) -> None:
+        self.parts = parts
+        self._full, self._g, self._world, self._slots, self._final = full, g, world, tuple(slots), final
+        self._listed = listed
+        self.count = full * len(self._slots) + len(listed)
+
+    def meta(self, k: int) -> BatchMeta:
+        """The meta of the plan's k-th batch (0-based)."""
+        m = len(self._slots)
+        if k >= self._full * m:
+            return self._listed[k - self._full * m]
+        index, i = divmod(k, m)
+        slot, done, g, world = self._slots[i], index + 1, self._g, self._world
+        return BatchMeta(index, g, world, slot, world, done * g, done * world, index == self._final[slot])
+
+    def metas(self) -> Iterator[BatchMeta]:
+        """Every batch's meta, in order (for passes that keep each batch's meta)."""
+        return map(self.meta, range(self.count))
 
 
-def index_parts(order: Any, n: int, start: int, layout: Layout,
-                slots: Sequence[int]) -> tuple[Iterator[list[Any]], Iterator[BatchMeta]]:
-    """The indices of the given ranks' batches of an index order from global position ``start``,
-    and each batch's :class:`BatchMeta`, in the same order (the hot path of a map-style pass:
-    both iterators run in C, one ``tolist`` per pass for a shuffled order)."""
+def index_parts(order: Any, n: int, start: int, layout: Layout, slots: Sequence[int]) -> PassPlan:
+    """The plan of the given ranks' batches of an index order from global position ``start``
+    (the hot path of a map-style pass: C iterators, one ``tolist`` per pass for a shuffled
+    order)."""
     b, world = layout.per_rank, layout.world
     assert b is not None
     g = b * world
@@ -149,27 +163,23 @@ def index_parts(order: Any, n: int, start: int, layout: Layout,
     tail = _tail(order, n, start + full * g, layout) if real > 0 and not layout.drop_last else None
     # The round of each rank's last batch: the tail's, if the rank has a part of it.
     final = [full if tail is not None and tail[slot] is not None else full - 1 for slot in range(world)]
-    parts, metas = _full_parts(order, start, full, b, world, slots), _full_metas(full, g, world, slots, final)
+    parts = _full_parts(order, start, full, b, world, slots)
     if tail is None:
-        return parts, metas
+        return PassPlan(parts, slots=slots, world=world, full=full, g=g, final=final)
     nparts, real_batches = len(tail) - tail.count(None), math.ceil(real / b)
     ends = [slot for slot in slots if tail[slot] is not None]
-    return (itertools.chain(parts, [tail[slot] for slot in ends]),
-            itertools.chain(metas, [BatchMeta(full, real, real_batches, slot, nparts, full * g + real,
-                                              full * world + real_batches, True) for slot in ends]))
+    listed = [BatchMeta(full, real, real_batches, slot, nparts, full * g + real, full * world + real_batches, True)
+              for slot in ends]
+    return PassPlan(itertools.chain(parts, [tail[slot] for slot in ends]), slots=slots, world=world, full=full, g=g,
+                    final=final, listed=listed)
 
 
-def batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout,
-                slots: Sequence[int]) -> tuple[Iterator[list[Any]], Iterator[BatchMeta]]:
-    """The indices of the given ranks' batches of a custom batch sampler's batch list from global
-    batch ``start``, and each batch's :class:`BatchMeta` in the same order. Batches are checked
-    (``split_batches``) as they are reached, so the metas queue up as the parts are read."""
-    fifo: collections.deque[BatchMeta] = collections.deque()
-    return _batch_parts(batches, start, layout, slots, fifo.append), iter(fifo.popleft, None)
-
-
-def _batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout, slots: Sequence[int],
-                 record: Callable[[BatchMeta], None]) -> Iterator[list[Any]]:
+def batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout, slots: Sequence[int]) -> PassPlan:
+    """The plan of the given ranks' batches of a custom batch sampler's batch list from global
+    batch ``start`` (the list is the epoch's, already read: the plan is made whole, and a batch
+    that ``split_batches`` cannot split is refused before the pass hands out any)."""
+    parts: list[list[Any]] = []
+    metas: list[BatchMeta] = []
     world, nb = layout.world, len(batches)
     done = 0
     if layout.split:
@@ -177,14 +187,14 @@ def _batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout, s
             batch = list(batches[i])
             if len(batch) % world:
                 raise ValueError(
-                    f"split_batches=True: a batch of {len(batch)} samples from the batch sampler cannot be split "
-                    f"evenly across {world} processes; its batches must have a multiple of {world} samples"
+                    f"split_batches=True: batch {i} of the batch sampler has {len(batch)} samples, which cannot be "
+                    f"split evenly across {world} processes; its batches must have a multiple of {world} samples"
                 )
             k, done = len(batch) // world, done + len(batch)
             for slot in slots:
-                record(BatchMeta(index, len(batch), 1, slot, world, done, index + 1, i == nb - 1))
-                yield batch[slot * k : (slot + 1) * k]
-        return
+                metas.append(BatchMeta(index, len(batch), 1, slot, world, done, index + 1, i == nb - 1))
+                parts.append(batch[slot * k : (slot + 1) * k])
+        return PassPlan(iter(parts), slots=slots, world=world, listed=metas)
     remaining = max(0, nb - start)
     full, rest = divmod(remaining, world)
     tail = rest > 0 and not layout.drop_last
@@ -194,33 +204,34 @@ def _batch_parts(batches: Sequence[Sequence[Any]], start: int, layout: Layout, s
     while pos < nb:
         take = min(world, nb - pos)
         if take < world and layout.drop_last:
-            return
+            break
         real = [list(batch) for batch in batches[pos : pos + take]]
-        parts: list[list[Any] | None] = list(real)
+        round_parts: list[list[Any] | None] = list(real)
         if take < world:
             if layout.even:
-                parts += [list(batches[j % nb]) for j in range(world - take)]
+                round_parts += [list(batches[j % nb]) for j in range(world - take)]
             else:
-                parts += [None] * (world - take)
-        real_samples, nparts = sum(len(batch) for batch in real), len(parts) - parts.count(None)
+                round_parts += [None] * (world - take)
+        real_samples, nparts = sum(len(batch) for batch in real), len(round_parts) - round_parts.count(None)
         done += real_samples
         for slot in slots:
-            part = parts[slot]
+            part = round_parts[slot]
             if part is not None:
-                record(BatchMeta(index, real_samples, take, slot, nparts, done, index * world + take,
-                                 index == final[slot]))
-                yield part
+                metas.append(BatchMeta(index, real_samples, take, slot, nparts, done, index * world + take,
+                                       index == final[slot]))
+                parts.append(part)
         pos += take
         index += 1
+    return PassPlan(iter(parts), slots=slots, world=world, listed=metas)
 
 
 class PlanBatchSampler(Sampler[list[Any]]):
     """The batch sampler of the rebuilt DataLoader: yields the index lists of the current pass.
 
     It runs in the main process (DataLoader workers only receive indices), so the loader can
-    point it at each pass's plan (:func:`index_parts`, :func:`batch_parts`), which records each
-    batch's :class:`BatchMeta` in a FIFO that the loader pops as batches come out (DataLoader
-    keeps batch order). No frame of its own per batch: iterating it is iterating the plan.
+    point it at each pass's plan's index lists (:class:`PassPlan`; DataLoader keeps their order,
+    so the k-th batch out is the plan's k-th). No frame of its own per batch: iterating it is
+    iterating the plan's parts.
     """
 
     def __init__(self, owner: PreparedDataLoader, single: bool = False) -> None:
@@ -307,4 +318,4 @@ class TaggedCollate:
         return self.collate_fn([sample for sample, _ in items]), items[0][1]
 
 
-__all__ = ["LOADER_KWARGS", "BatchMeta", "Layout", "PlanBatchSampler", "ShardedIterable", "TaggedCollate", "batch_parts", "index_parts"]
+__all__ = ["LOADER_KWARGS", "BatchMeta", "Layout", "PassPlan", "PlanBatchSampler", "ShardedIterable", "TaggedCollate", "batch_parts", "index_parts"]

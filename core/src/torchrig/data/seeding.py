@@ -66,6 +66,7 @@ class SeedableRandomSampler(Sampler[int]):
         self.replacement = replacement
         self._num_samples = num_samples
         self.epoch = 0
+        self._generator = torch.Generator()
 
     @property
     def num_samples(self) -> int:
@@ -78,7 +79,8 @@ class SeedableRandomSampler(Sampler[int]):
         """Epoch ``epoch``'s indices as an int64 tensor of length ``num_samples``."""
         n = len(self.data_source)
         count = n if self._num_samples is None else self._num_samples
-        generator = seeded_generator(epoch_seed(self.seed, epoch))
+        generator = self._generator  # one per sampler, reseeded: no generator state allocated per epoch
+        generator.manual_seed(epoch_seed(self.seed, epoch))
         if count == n and n > 0 and not self.replacement:  # one pass over the data (the usual case)
             return torch.randperm(n, generator=generator)
         parts: list[torch.Tensor] = []
