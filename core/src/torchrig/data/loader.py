@@ -246,7 +246,7 @@ class PreparedDataLoader:
         """The rebuilt loader's batch sampler (map-style data; the user's for iterables)."""
         if self._kind == "iterable":
             return self.base_dataloader.batch_sampler
-        return self._plan()
+        return self._plan_batch_sampler()
 
     def __getattr__(self, name: str) -> Any:
         if name == "base_dataloader" or name.startswith("__"):  # unset during unpickling / copying
@@ -357,14 +357,14 @@ class PreparedDataLoader:
 
     # -- building the torch loaders ----------------------------------------------------------
 
-    def _plan(self) -> PlanBatchSampler:
+    def _plan_batch_sampler(self) -> PlanBatchSampler:
         if self._plan_sampler is None:
             self._plan_sampler = PlanBatchSampler(self, single=not self._auto_collation)
         return self._plan_sampler
 
     def _rebuilt_map_loader(self) -> DataLoader:
         if self._map_loader is None:
-            plan = self._plan()
+            plan = self._plan_batch_sampler()
             common = dict(
                 collate_fn=self.base_dataloader.collate_fn, generator=self._worker_generator, **self._loader_kwargs
             )
@@ -435,7 +435,7 @@ class PreparedDataLoader:
         else:
             order, n = self._epoch_order(p.epoch)
             plan = index_parts(order, n, p.start.samples, self._layout, slots)
-        self._plan().source = plan.parts
+        self._plan_batch_sampler().source = plan.parts
         return iter(self._rebuilt_map_loader()), plan
 
     def _iterable_source(self, p: Pass, slots: Sequence[int]) -> Iterator[tuple[Any, BatchMeta]]:

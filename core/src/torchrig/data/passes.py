@@ -1,5 +1,6 @@
-"""The state of one pass of a prepared loader: where it started, the meta of the last batch it
-handed out (from which its position and end-of-data flags are read), and how it ends."""
+"""The state of one pass of a prepared loader: where it started, the last batch it handed out
+(its meta, or its number on a counted pass, from which its position and end-of-data flags are
+worked out), and how it ends."""
 
 from __future__ import annotations
 
