@@ -449,6 +449,40 @@ def test_a_world_size_change_is_an_error_pointing_at_the_universal_checkpoint(gl
     assert "ds_to_universal" in result.stderr and "load_universal" in result.stderr
 
 
+SAVE_PLAIN = """
+import sys, torch
+from torchrig import Accelerator
+accelerator = Accelerator(cpu=True)
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+accelerator.save_state(sys.argv[1])
+"""
+
+LOAD_UNDER_DEEPSPEED = """
+import sys, torch
+from torchrig import Accelerator
+from torchrig_deepspeed.options import DeepSpeedPlugin
+accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+accelerator.load_state(sys.argv[1])
+"""
+
+
+def test_a_checkpoint_of_another_strategy_is_refused_naming_both_layouts(tmp_path):
+    directory = str(tmp_path / "checkpoint")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHRIG_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(TORCHRIG_CONFIG_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
+    saved, result = (subprocess.run([sys.executable, "-c", script, directory], capture_output=True, text=True,
+                                    timeout=TIMEOUT, env=env, start_new_session=True)
+                     for script in (SAVE_PLAIN, LOAD_UNDER_DEEPSPEED))
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    assert result.returncode != 0
+    assert "DeepSpeedCheckpointError" in result.stderr
+    assert "it was saved by single on 1 process; this run is deepspeed on 1 process" in result.stderr, result.stderr[-2000:]
+    assert "load it with the strategy and models it was saved with" in result.stderr
+
+
 def _save_model(ctx, weights):
     with rank_environment(ctx.rank, ctx.world_size):
         accelerator = accelerator_for(deepspeed_plugin=plugin(zero_stage=3, hf_ds_config=PARTITION_ALL))

@@ -32,6 +32,7 @@ import pickle
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from torchrig.checkpoint import topology
 from torchrig.checkpoint.trust import PICKLE_OPT_IN
 from torchrig.run import RunContext
 
@@ -158,10 +159,13 @@ def load_state(run: RunContext, records: Sequence[EngineRecord], directory: str,
     for record in records:
         path = os.path.join(directory, record.tag)
         if not os.path.isdir(path):
+            saved = topology.describe(topology.saved(manifest))  # "fsdp on 2 processes", or a mesh's axes
+            by = saved if saved.startswith(f"{strategy} ") else f"{strategy!r} under {saved}"
             raise DeepSpeedCheckpointError(
-                f"deepspeed: {directory} holds no DeepSpeed engine state for {_describe(record)} (no {record.tag}/); it "
-                f"was saved with strategy {strategy!r}" + (" and fewer models" if strategy == "deepspeed" else "")
-                + ". Load it with the strategy and models it was saved with")
+                f"deepspeed: {directory} holds no DeepSpeed engine state for {_describe(record)} (no {record.tag}/): it "
+                f"was saved by {by}" + (" with fewer models" if strategy == "deepspeed" else "")
+                + f"; this run is {topology.describe(topology.current(run))}. DeepSpeed engines load only their own engine state: "
+                "load it with the strategy and models it was saved with")
         if saved_world != world and _partitioned(record):
             raise DeepSpeedCheckpointError(
                 f"deepspeed: {directory} was saved by {saved_world} processes and this run has {world}: the optimizer "
