@@ -5,9 +5,10 @@ The hot path is :meth:`PreparedDataLoader._fast_pass` (map-style data, batches a
 they belong, no preemption armed): the batches come out of torch's loader iterator through C
 iterators only, each batch's number lands in the pass's ``delivered`` as the batch is handed
 out, and the position and end-of-data flags are worked out from that number by the pass's
-plan when asked — no frame of torchrig's and no object of its own per batch. Every other pass runs :meth:`PreparedDataLoader._iterate`, a
-generator that reads one batch ahead (streams: to know the last one; devices: to overlap the
-copy), places batches and stops at preemption's step boundaries."""
+plan when asked — no frame of torchrig's and no object of its own per batch. Every other pass
+runs :meth:`PreparedDataLoader._iterate`, a generator that reads one batch ahead (streams: to
+know the last one; devices: to overlap the copy), places batches and stops at preemption's
+step boundaries."""
 
 from __future__ import annotations
 
