@@ -2,9 +2,12 @@
 
 Two CPU ranks (torchrig's test worker pool, gloo), every loader reading the same dataset. Each
 trial builds three fresh loaders — the plain one, the prepared one and a second plain one (the
-A/A control) — in an order rotating by trial, then runs rounds in which each rank iterates one
-epoch of each, in an order rotating by round, both ranks together after a barrier, so they
-compete for the cores as a real job does.
+A/A control) — in an order rotating by trial, then runs two pairs of loaders, each pair
+strictly alternating epochs (prepared with plain, then the control with plain), so each side's
+epoch always follows the other's: a third loader in between would warm the code of whichever
+side shares it (the control runs the plain loader's sampler code; nothing else runs
+torchrig's). Both ranks run each epoch together after a barrier, so they compete for the cores
+as a real job does; a round is one epoch of each side of a pair.
 
 The result is the job's: a data-parallel job goes at the pace of its slowest rank, so a round's
 rate of a loader is the slower rank's batches/s, a trial's ratio is the median over its rounds
@@ -43,6 +46,8 @@ from _report import emit
 
 GOAL = 0.99
 CASES = ("a", "b", "c", "d")
+#: The measured side of each pair -> the key of the plain loader's rates in that pair.
+PAIRS = {"prepared": "plain", "control": "plain_aa"}
 
 
 class SlowItems(torch.utils.data.Dataset):
@@ -185,12 +190,11 @@ def measure(ctx, case: str, trials: int, rounds: int) -> dict:
             for name in names:  # warm up: workers started, caches filled
                 dist.barrier()
                 runs[name]()
-            # Each pair strictly alternates, so each side's epoch always follows the other's: a
-            # third loader in the rotation would warm the code of whichever side shares it (the
-            # control runs the plain loader's sampler code; nothing else runs torchrig's).
-            for (base, base_key), other in ((("plain", "plain"), "prepared"), (("plain", "plain_aa"), "control")):
-                pair = [(base, base_key), (other, other)] if trial % 2 == 0 else [(other, other), (base, base_key)]
-                trial_rates: dict[str, list[float]] = {base_key: [], other: []}
+            for measured, plain_key in PAIRS.items():  # each pair strictly alternates (module docstring)
+                pair = [("plain", plain_key), (measured, measured)]
+                if trial % 2:
+                    pair.reverse()
+                trial_rates: dict[str, list[float]] = {key: [] for _, key in pair}
                 for _ in range(rounds):
                     for name, key in pair:
                         dist.barrier()
@@ -206,9 +210,8 @@ def measure(ctx, case: str, trials: int, rounds: int) -> dict:
 def paired_ratio(rates: dict[str, list[list[float]]], name: str) -> tuple[float, list[float]]:
     """(median over trials, each trial's value) of the median over rounds of ``name`` ÷ the
     plain loader it alternated with."""
-    base = "plain_aa" if name == "control" else "plain"
     trials = [statistics.median(a / b for a, b in zip(mine, plain, strict=True))
-              for mine, plain in zip(rates[name], rates[base], strict=True)]
+              for mine, plain in zip(rates[name], rates[PAIRS[name]], strict=True)]
     return statistics.median(trials), trials
 
 

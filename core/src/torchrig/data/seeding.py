@@ -77,12 +77,9 @@ class SeedableRandomSampler(Sampler[int]):
 
     def order(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s indices as an int64 tensor of length ``num_samples``."""
-        n = len(self.data_source)
-        count = n if self._num_samples is None else self._num_samples
+        n, count = len(self.data_source), self.num_samples
         generator = self._generator  # one per sampler, reseeded: no generator state allocated per epoch
         generator.manual_seed(epoch_seed(self.seed, epoch))
-        if count == n and n > 0 and not self.replacement:  # one pass over the data (the usual case)
-            return torch.randperm(n, generator=generator)
         parts: list[torch.Tensor] = []
         if self.replacement:
             for _ in range(count // 32):
@@ -93,7 +90,7 @@ class SeedableRandomSampler(Sampler[int]):
                 parts.append(torch.randperm(n, generator=generator))
             if count % n:
                 parts.append(torch.randperm(n, generator=generator)[: count % n])
-        if len(parts) == 1:
+        if len(parts) == 1:  # one pass over the data (the usual case): no copy
             return parts[0]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
