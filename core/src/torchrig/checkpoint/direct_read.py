@@ -10,17 +10,15 @@ this way; every other entry is read by the library as before, and the caller's
 ``load_state_dict`` then finds the live tensor already holding the value (``copy_`` of a tensor
 onto its own memory returns at once).
 
-The whole header is checked (dtypes, shapes, offsets inside the file, sizes that agree) before a
-single byte lands in a live tensor, so a damaged file is refused with the live state untouched.
-Format: https://github.com/huggingface/safetensors#format.
+The whole header is checked by the library's own rules (:mod:`~torchrig.checkpoint.safetensors_header`:
+JSON, dtypes, shapes, contiguous non-overlapping offsets that cover the file exactly, sizes that
+agree) before a single byte lands in a live tensor, so a file the library would refuse is refused
+with the live state untouched. Format: https://github.com/huggingface/safetensors#format.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,57 +28,22 @@ from safetensors import safe_open
 
 from torchrig.checkpoint.files import CheckpointError
 from torchrig.checkpoint.hashed_safetensors import DTYPE_CODES
+from torchrig.checkpoint.safetensors_header import Header, TensorEntry, read_header
 
-#: a header larger than this is not one torchrig (or the library, whose limit is the same) wrote.
-_MAX_HEADER = 100_000_000
 #: Direct reads are cut into pieces of this size (Linux transfers at most 0x7FFFF000 bytes per
 #: call) and spread over up to :data:`_THREADS` threads: a page-cache copy runs at the speed of one
 #: core, and loading is the only work while it runs.
 _PIECE = 32 << 20
 _THREADS = min(4, os.cpu_count() or 1)
-_ITEMSIZES = {code: dtype.itemsize for dtype, code in DTYPE_CODES.items()}
 
 
-def _header(fd: int, path: str, size: int) -> tuple[dict[str, Any], dict[str, str], int]:
-    """The file's tensor entries, its ``__metadata__`` and where its data starts, checked."""
-    raw = os.pread(fd, 8, 0)
-    if len(raw) < 8:
-        raise CheckpointError(f"{path} is not a safetensors file: {size} bytes, shorter than its header length")
-    (length,) = struct.unpack("<Q", raw)
-    if length > min(_MAX_HEADER, size - 8):
-        raise CheckpointError(f"{path} is damaged: its header claims {length} bytes, the file has {size}")
-    try:
-        header = json.loads(os.pread(fd, length, 8))
-    except ValueError as exc:
-        raise CheckpointError(f"{path} is damaged: its header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path} is damaged: its header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    start = 8 + length
-    for name, entry in header.items():
-        try:
-            first, end = entry["data_offsets"]
-            shape = [int(n) for n in entry["shape"]]
-            dtype = entry["dtype"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path} is damaged: the entry of {name!r} is malformed ({exc!r})") from exc
-        itemsize = _ITEMSIZES.get(dtype)
-        if not (isinstance(first, int) and isinstance(end, int) and 0 <= first <= end <= size - start
-                and all(n >= 0 for n in shape)
-                and (itemsize is None or end - first == math.prod(shape) * itemsize)):
-            raise CheckpointError(f"{path} is damaged: tensor {name!r} ({dtype}, shape {shape}) has offsets "
-                                  f"{entry['data_offsets']} that do not fit its size or the file ({size} bytes)")
-    return header, metadata, start
-
-
-def _fits(target: Any, entry: Mapping[str, Any]) -> bool:
+def _fits(target: Any, entry: TensorEntry) -> bool:
     return (isinstance(target, torch.Tensor) and target.device.type == "cpu" and target.layout == torch.strided
-            and DTYPE_CODES.get(target.dtype) == entry["dtype"] and list(target.shape) == entry["shape"]
+            and DTYPE_CODES.get(target.dtype) == entry.dtype and list(target.shape) == entry.shape
             and target.is_contiguous() and not target.is_conj() and not target.is_neg())
 
 
-def _pieces(direct: Mapping[str, torch.Tensor], header: Mapping[str, Any],
-            start: int) -> list[tuple[memoryview, int, str]]:
+def _pieces(direct: Mapping[str, torch.Tensor], header: Header) -> list[tuple[memoryview, int, str]]:
     """(destination bytes, file offset, tensor name) for every direct read, in pieces of at most
     :data:`_PIECE` bytes so that threads share the work evenly."""
     pieces = []
@@ -88,7 +51,7 @@ def _pieces(direct: Mapping[str, torch.Tensor], header: Mapping[str, Any],
         if not target.numel():
             continue
         view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
-        base = start + header[name]["data_offsets"][0]
+        base = header.data_start + header.tensors[name].begin
         pieces.extend((view[at:at + _PIECE], base + at, name) for at in range(0, view.nbytes, _PIECE))
     return pieces
 
@@ -102,29 +65,40 @@ def _read_piece(fd: int, view: memoryview, offset: int, name: str, path: str) ->
         done += count
 
 
+def _library_reads(path: str, names: list[str], location: Any) -> dict[str, torch.Tensor]:
+    """``names`` read by the library, into new tensors (a dtype torch cannot hold is refused here)."""
+    if not names:
+        return {}
+    try:
+        with safe_open(path, framework="pt", device=str(location)) as library:
+            return {name: library.get_tensor(name) for name in names}
+    except Exception as exc:  # SafetensorError, or torch's for a dtype it lacks
+        raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
+
+
 def read_into(path: str, targets: Mapping[str, Any],
               location: Any = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor of the safetensors file ``path`` by name, and the file's metadata: for a name in
     ``targets`` whose tensor matches the entry exactly, that tensor itself, its bytes now read
-    from the file; every other entry read by the library onto ``location``."""
+    from the file; every other entry read by the library onto ``location``.
+
+    Order: the header is checked, then the library reads what goes to new tensors, and only then
+    do bytes land in live tensors — so any refusal leaves the live state untouched."""
     with open(path, "rb", buffering=0) as handle:
         fd = handle.fileno()
-        header, metadata, start = _header(fd, path, os.fstat(fd).st_size)
+        header = read_header(fd, path)
         direct = {} if str(location) != "cpu" else {
-            name: targets[name] for name, entry in header.items() if _fits(targets.get(name), entry)}
-        pieces = _pieces(direct, header, start)
+            name: targets[name] for name, entry in header.tensors.items() if _fits(targets.get(name), entry)}
+        state = _library_reads(path, [name for name in header.tensors if name not in direct], location)
+        pieces = _pieces(direct, header)
         if len(pieces) > 1 and _THREADS > 1:  # the kernel copies release the GIL: one per core
             with ThreadPoolExecutor(_THREADS, thread_name_prefix="torchrig-load") as pool:
                 list(pool.map(lambda piece: _read_piece(fd, *piece, path), pieces))
         else:
             for piece in pieces:
                 _read_piece(fd, *piece, path)
-    state = dict(direct)
-    rest = [name for name in header if name not in direct]
-    if rest:
-        with safe_open(path, framework="pt", device=str(location)) as library:
-            state.update((name, library.get_tensor(name)) for name in rest)
-    return state, metadata
+    state.update(direct)
+    return state, dict(header.metadata)
 
 
 __all__ = ["read_into"]
