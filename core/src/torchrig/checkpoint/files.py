@@ -30,6 +30,8 @@ from torchrig.errors import TorchrigError
 #: Bytes hashed per ``read`` when a file written by a library is hashed afterwards.
 #: errno values that mean "the disk (or the quota, or the file-size limit) is full".
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+#: The header key of a safetensors file's own metadata: no tensor may have this name.
+SAFETENSORS_METADATA_KEY = "__metadata__"
 
 
 class CheckpointError(TorchrigError):
@@ -206,6 +208,10 @@ class CheckpointWriter:
             else:
                 target.write(save(dict(value), metadata=extra))
 
+        if SAFETENSORS_METADATA_KEY in tensors:
+            raise CheckpointError(f"cannot save {name}: its state has a tensor named {SAFETENSORS_METADATA_KEY!r}, the key "
+                                  "the safetensors format reserves for a file's metadata (such a file cannot be loaded "
+                                  "back); rename that parameter or buffer")
         tensors = {key: value.contiguous() for key, value in tensors.items()}
         hashed_write = None
         if hashed_safetensors.supported(tensors):

@@ -79,7 +79,8 @@ def validate(data: Any, path: str) -> dict[str, Any]:
         where = f"files[{index}]"
         if not isinstance(entry, dict):
             raise _problem(path, where, "an object", entry)
-        checks = {"path": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+        checks = {"path": (lambda v: isinstance(v, str) and v != "" and "\x00" not in v,
+                           "a non-empty string without a NUL byte (no file name holds one)"),
                   "size": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
                   "rank": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
                   "sha256": (lambda v: v is None or (isinstance(v, str) and len(v) == 64 and set(v) <= _HEX),
@@ -147,7 +148,7 @@ def check_file(directory: str, relative: str, size: int) -> str | None:
     """What is wrong with one listed file (``None``: a regular file of ``size`` bytes inside the
     checkpoint). Nothing is opened."""
     parts = relative.replace("\\", "/").split("/")
-    if os.path.isabs(relative) or ".." in parts or "" in parts or "." in parts:
+    if os.path.isabs(relative) or ".." in parts or "" in parts or "." in parts or "\x00" in relative:
         raise CheckpointError(f"checkpoint {directory}: the manifest lists {relative!r}, which is not a plain path "
                               "inside the checkpoint; the manifest is damaged or hostile")
     path = os.path.join(directory, relative)

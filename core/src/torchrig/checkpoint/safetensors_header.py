@@ -34,6 +34,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from torchrig.checkpoint.files import SAFETENSORS_METADATA_KEY as METADATA_KEY
 from torchrig.checkpoint.files import CheckpointError
 
 #: The library's limit on the header length (``MAX_HEADER_SIZE``).
@@ -47,7 +48,6 @@ DTYPE_BITS: dict[str, int] = {
     "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
     "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
 }
-METADATA_KEY = "__metadata__"
 _FIELDS = ("dtype", "shape", "data_offsets")
 
 

@@ -64,10 +64,21 @@ class _NotPlain(Exception):
 
 
 def encode_structure(state: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
-    """JSON skeleton of a nested state (dict keys keep their types), its tensors moved to ``tensors``."""
+    """JSON skeleton of a nested state (dict keys keep their types), its tensors moved to ``tensors``.
+
+    A tensor is named by its dotted path, which is not unique: ``{"a.b": t1, "a": {"b": t2}}`` and
+    ``{1: t3, "1": t4}`` flatten to one name each. A name already taken gets the first free
+    ``<path>#<n>``, and the skeleton records the name each tensor was given, so every tensor comes
+    back under its own key. The names depend only on the structure and its order, so a live state
+    of the same structure gets the same names (direct reads match by name)."""
     if isinstance(state, torch.Tensor):
-        tensors[path] = state
-        return {"__tensor__": path}
+        name = path
+        suffix = 0
+        while name in tensors:
+            suffix += 1
+            name = f"{path}#{suffix}"
+        tensors[name] = state
+        return {"__tensor__": name}
     if isinstance(state, Mapping):
         return {"__dict__": [[encode_key(k), encode_structure(v, tensors, f"{path}.{k}")] for k, v in state.items()]}
     if isinstance(state, (list, tuple)):
