@@ -1,5 +1,8 @@
 """A rank's status file, from inside the rank: what the Accelerator, its checkpoint manager and
-its trackers record (last checkpoint, preemption, tracker drops) for the launcher to merge.
+its trackers record (last checkpoint, preemption, tracker drops) for the launcher to merge, and
+what a rank is waiting on (``waiting``: a plugin that sees its rank blocked outside any collective,
+on a file lock say, records what and how to clear it; the launcher's summary names it when the run
+is stopped).
 
 Below everything that records (checkpoint, tracking, accelerator) and below :mod:`torchrig.launch`,
 which owns the file's lifecycle: the worker wrapper creates the file and sets it current

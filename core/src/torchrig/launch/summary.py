@@ -113,6 +113,10 @@ def analyze(records: Sequence[Mapping[str, Any]], *, launcher_signal: str | None
     elif launcher_signal:
         state = INTERRUPTED if launcher_signal == "SIGINT" else TERMINATED
         verdict.update(state=state, headline=f"stopped by {launcher_signal}: every rank was told to stop")
+        waiting = [r for r in stopped if r.get("waiting")]
+        if waiting:
+            verdict["headline"] += f"; {_ranks([r['rank'] for r in waiting])} waited on something: {waiting[0]['waiting']}"
+
     elif launch_error:
         verdict.update(state=FAILED, reason="launch error", headline=launch_error)
     elif any(r.get("state") != FINISHED for r in records) or not records:
@@ -184,7 +188,8 @@ def describe_rank(record: Mapping[str, Any], verdict: Mapping[str, Any], first_f
     head = f"rank {rank}:"
     if rank in verdict.get("stalled_ranks", ()):
         where = _where(record)
-        return f"{head} STALLED (still running when rank {verdict['failing_ranks'][0]} timed out){where}"
+        waiting = f"; it was waiting: {record['waiting']}" if record.get("waiting") else ""
+        return f"{head} STALLED (still running when rank {verdict['failing_ranks'][0]} timed out){where}{waiting}"
     if verdict.get("reason") == "left early":
         culprit = verdict["culprit"]
         if rank == culprit:
@@ -204,7 +209,8 @@ def describe_rank(record: Mapping[str, Any], verdict: Mapping[str, Any], first_f
         return f"{head} also failed{timing}{why} ({_cause(record, limit=200)})"
     if state in (TERMINATED, INTERRUPTED, RUNNING):
         how = record.get("signal") or "stopped"
-        return f"{head} torn down by the launcher ({how}){_where(record) if in_collective(record) else ''}"
+        waiting = f"; it was waiting: {record['waiting']}" if record.get("waiting") else ""
+        return f"{head} torn down by the launcher ({how}){_where(record) if in_collective(record) else ''}{waiting}"
     if state == FINISHED:
         return f"{head} finished"
     if state == PREEMPTED:

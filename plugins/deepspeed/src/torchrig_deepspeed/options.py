@@ -137,6 +137,10 @@ class DeepSpeedPlugin:
                     "DeepSpeedCPUAdam. Off by default (DeepSpeed's default is on): torchrig lets a script's own torch "
                     "optimizer run with offload. The JSON's zero_force_ds_cpu_optimizer wins when present",
         aliases=("zero_force_ds_cpu_optimizer",))
+    jit_lock_warning_seconds: float = option(
+        60.0, help="torchrig's own: a rank waiting this long on a compile lock of one of DeepSpeed's JIT-built ops "
+                   "while nothing is being compiled says so on stderr and in its status, naming the lock file (a "
+                   "killed compile leaves it behind; the wait would be silent and endless)", validator=at_least(0.1))
 
     @property
     def deepspeed_config(self) -> dict[str, Any]:

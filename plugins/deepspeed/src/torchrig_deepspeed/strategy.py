@@ -40,6 +40,7 @@ from torchrig.types import Capabilities, LaunchPlan, PreparedModel, StashKey
 from torchrig_deepspeed import checkpoint as ds_checkpoint
 from torchrig_deepspeed.config_checks import SECTION
 from torchrig_deepspeed.ds_config import EngineConfig, engine_config, micro_batch_of
+from torchrig_deepspeed.jit_ops import watching_jit_builds
 from torchrig_deepspeed.options import DeepSpeedPlugin
 from torchrig_deepspeed.placeholders import DummyScheduler, EngineBuiltScheduler
 
@@ -181,7 +182,9 @@ class DeepSpeedStrategy:
         if built.scheduler_callable is not None:
             kwargs["lr_scheduler"] = built.scheduler_callable
         try:
-            engine, _, _, _ = deepspeed.initialize(**kwargs)
+            with watching_jit_builds(deepspeed, rank=run.cluster.rank, local_rank=run.cluster.local_rank,
+                                     patience=options.jit_lock_warning_seconds):
+                engine, _, _, _ = deepspeed.initialize(**kwargs)
         except AssertionError as exc:  # DeepSpeed reports configuration problems as assertions
             raise DeepSpeedStrategyError(f"deepspeed.initialize refused the configuration of model #{len(records)} "
                                          f"({type(model).__name__}): {exc}") from exc
