@@ -40,6 +40,8 @@ from torchrig.checkpoint.manifest import (
 LATEST_NAME = "latest"
 AUTOMATIC_PREFIX = "checkpoint_"
 _AUTOMATIC = re.compile(rf"^{AUTOMATIC_PREFIX}(\d+)$")
+#: A name that takes an automatic number: ``checkpoint_<n>`` with anything after, hidden or not.
+_TAKEN = re.compile(rf"^\.*{AUTOMATIC_PREFIX}(\d+)(?!\d)")
 
 
 def numbered(stem: str, index: int, suffix: str) -> str:
@@ -56,6 +58,30 @@ def automatic_number(name: str) -> int | None:
     """``n`` of an automatically named checkpoint ``checkpoint_<n>``, else None."""
     match = _AUTOMATIC.match(name)
     return int(match[1]) if match else None
+
+
+def highest_taken_number(root: str) -> int | None:
+    """The highest checkpoint number anything under ``root`` already stands for, or None.
+
+    A number is taken by every entry whose name, past leading dots, begins with
+    ``checkpoint_<n>`` (``checkpoint_9.bak``, ``.checkpoint_9``, a save in progress), and by every
+    committed checkpoint whose manifest records iteration ``n``, whatever its name (a checkpoint
+    renamed ``backup``). Automatic numbering continues after it, so a directory renamed by hand
+    never makes a later save collide with it."""
+    highest = None
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    for name in names:
+        match = _TAKEN.match(name)
+        if match:
+            highest = max(highest or 0, int(match[1]))
+    for _, _, manifest in scan(root)[0]:
+        iteration = manifest.get("iteration")
+        if iteration is not None:
+            highest = max(highest or 0, iteration)
+    return highest
 
 
 def is_committed(directory: str, *, hidden: bool = False) -> bool:
@@ -227,6 +253,7 @@ __all__ = [
     "delete_checkpoint",
     "exchange",
     "has_manifest_file",
+    "highest_taken_number",
     "is_committed",
     "latest_checkpoint",
     "leftovers",

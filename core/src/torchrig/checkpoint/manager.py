@@ -180,8 +180,10 @@ class CheckpointManager:
     def _prepare_target(self, target: str, root: str | None, overwrite: bool) -> dict[str, Any]:
         """Rank 0: reclaim what dead writers left, check the target, claim its temporary directory.
 
-        An automatically named target skips numbers whose directory exists without a valid
-        manifest (a damaged checkpoint, kept as evidence): saving goes on past it.
+        An automatically named target takes the next number after every one already taken in the
+        root (:func:`~torchrig.checkpoint.layout.highest_taken_number`: a damaged checkpoint kept as
+        evidence, a directory renamed by hand, a committed checkpoint under another name), so it
+        never collides with what is there.
         """
         parent = os.path.dirname(target)
         number = None
@@ -189,7 +191,9 @@ class CheckpointManager:
             os.makedirs(parent, exist_ok=True)
             layout.remove_leftovers(parent)
             if root is not None:
-                number = self.iteration
+                taken = layout.highest_taken_number(root)
+                number = self.iteration if taken is None else max(self.iteration, taken + 1)
+                target = os.path.join(root, f"{layout.AUTOMATIC_PREFIX}{number}")
                 while os.path.lexists(target) and not layout.is_committed(target):
                     number += 1
                     target = os.path.join(root, f"{layout.AUTOMATIC_PREFIX}{number}")
