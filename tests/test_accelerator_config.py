@@ -140,6 +140,23 @@ def test_unsupported_and_unknown_arguments_are_errors(monkeypatch, isolated_env)
         Accelerator(mixed_precison="bf16")  # a typo'd keyword is Python's own TypeError
 
 
+def test_two_handlers_for_one_section_are_refused_naming_both(monkeypatch, isolated_env):
+    """Accelerate raises on two handlers of one kind; keeping the last silently dropped the first."""
+    from torchrig import DistributedDataParallelKwargs, GradientAccumulationPlugin
+
+    monkeypatch.setenv("TORCHRIG_CONFIG_HOME", isolated_env["TORCHRIG_CONFIG_HOME"])
+    with pytest.raises(ConfigError) as excinfo:
+        Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=10), GradScalerKwargs(),
+                                               DistributedDataParallelKwargs(find_unused_parameters=True)])
+    text = str(excinfo.value)
+    assert "kwargs_handlers[0]" in text and "kwargs_handlers[2]" in text and "DistributedDataParallelKwargs" in text
+    assert "kwargs_handlers[1]" not in text
+    second = r"kwargs_handlers\[0\]\): a second GradientAccumulationPlugin .*gradient_accumulation_plugin=\.\.\.\) already"
+    with pytest.raises(ConfigError, match=second):
+        Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2),
+                    kwargs_handlers=[GradientAccumulationPlugin(num_steps=4)])
+
+
 def test_override_warning_is_a_python_warning(tmp_path, monkeypatch, isolated_env):
     run_file = tmp_path / "run.yaml"
     run_file.write_text("gradient_accumulation_steps: 8\n")

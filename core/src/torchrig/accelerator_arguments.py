@@ -35,6 +35,7 @@ def accelerator_arguments(schema: Schema, **kwargs: Any) -> dict[str, Any]:
     """
     problems: list[str] = []
     arguments: dict[str, Any] = {}
+    given_by: dict[str, str] = {}  # section -> the argument that set it: a second one is refused, naming both
     sections_by_type = {options_reference(section.options): key for key, section in schema.sections.items()}
 
     def put_section_object(obj: Any, where: str, selects_strategy: bool = False) -> None:
@@ -42,6 +43,11 @@ def accelerator_arguments(schema: Schema, **kwargs: Any) -> dict[str, Any]:
         if key is None:
             problems.append(f"{where}: {type(obj).__name__} is not an options class of torchrig or an installed plugin")
             return
+        if key in given_by:  # Accelerate refuses two handlers of one kind too; keeping one would drop the other
+            problems.append(f"{where}: a second {type(obj).__name__} ({key}); {given_by[key]} already gives one — "
+                            "pass one object with every field you want")
+            return
+        given_by[key] = where
         arguments[key] = obj
         owner = schema.section_owner.get(key, "")
         if selects_strategy and owner.startswith("strategy:"):  # fsdp_plugin=... selects FSDP, as in Accelerate
