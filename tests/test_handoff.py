@@ -55,7 +55,7 @@ def test_outside_an_allocation_cluster_slurm_prints_the_batch_script(workdir, mo
     script = [line.strip() for line in text.splitlines()]
     log_dir = os.path.join(str(workdir), "logs")
     assert f"Slurm: `torchrig launch` would write this batch script to {log_dir}/sbatch.sh and submit it with " \
-           "sbatch:" in text
+           "sbatch (verbatim, to the end of this output):\n#!/bin/bash\n" in text
     start = script.index("#!/bin/bash")
     assert script[start:start + 16] == [
         "#!/bin/bash", "#SBATCH --job-name=torchrig-train", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",

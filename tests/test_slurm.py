@@ -177,3 +177,88 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_bit_identically(slurm:
     a = torch.load(straight / "final.pt", weights_only=True)["params"]
     b = torch.load(preempted / "final.pt", weights_only=True)["params"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed run must equal a straight one"
+
+
+# --------------------------------------------------------------------------------------------
+# issue 40: hostile values reach the real sbatch, bash and srun exactly; sbatch's own failure is named
+
+ECHO = TESTS / "cluster_scripts" / "echo_argv.py"
+MARKER = "PWNED"
+#: Each would run ``touch PWNED`` (in whatever directory) if a shell or sbatch's parser misread it.
+PAYLOADS = ["$(touch PWNED)", "`touch PWNED`", "a; touch PWNED", "a\ntouch PWNED", "it's \"quoted\" \\ back",
+            "with  space", "x\n#SBATCH --wrap=touch PWNED", "#SBATCH --wrap='touch PWNED'",
+            "50% %j & | > < * ? ~ ! {a,b} packjob hetjob #x"]
+
+
+def squeue_field(slurm: SlurmTestCluster, job: int, field: str) -> str:
+    proc = slurm.run(["squeue", "--states=all", "-h", "-j", str(job), "-O", f"{field}:2000"])
+    return proc.stdout.rstrip("\n").rstrip(" ")
+
+
+@pytest.mark.timeout(180)
+def test_a_submitted_job_receives_every_hostile_value_exactly_and_nothing_runs(slurm: SlurmTestCluster, tmp_path):
+    project = tmp_path / "proj $(touch PWNED) 'q' \"d\" ;`touch PWNED`#"
+    results = tmp_path / "results"
+    for path in (project, results):
+        path.mkdir()
+    script = project / "train $(touch PWNED) `touch PWNED`\n;'q' #.py"
+    script.write_text(ECHO.read_text())
+    job_name = "j$(touch${IFS}PWNED)`touch${IFS}PWNED`;#\"q'\\packjob"
+    comment = "--comment=" + " ".join(p for p in PAYLOADS if "\n" not in p)
+    output = str(project / "o %j $(touch PWNED) `x` ; #z.out")
+    section = {"job_name": job_name, "output": output, "sbatch_args": [comment], "srun_args": [f"--chdir={project}"]}
+    config = project / "run $(touch PWNED)\n'q'.yaml"
+    config.write_text(json.dumps({"slurm": section}))
+    log_dir = project / "logs $(touch PWNED) %j \"d\" #"
+    args = ["--num_processes", "2", "--config_file", str(config), "--log_dir", str(log_dir), str(script),
+            str(results), *PAYLOADS]
+    dry = slurm.run([sys.executable, "-m", "torchrig.launch", "--cluster", "slurm", "--dry-run", *args],
+                    cwd=str(project), env=worker_env(), timeout=90)
+    job = submit(slurm, project, *args)
+    record = slurm.wait_state(job, {"COMPLETED"}, timeout=150)
+    assert record["ExitCode"] == "0:0", record
+    # the dry run printed the script that was submitted, verbatim
+    printed = dry.stdout[dry.stdout.index("#!/bin/bash\n"):]
+    assert printed == (log_dir / "sbatch.sh").read_text() + "\n", printed
+    for rank in (0, 1):
+        seen = json.loads((results / f"rank-{rank}.json").read_text())
+        assert seen["argv"] == [str(script), str(results), *PAYLOADS], seen["argv"]
+        assert seen["cwd"] == str(project), seen
+        assert seen["environ"]["TORCHRIG_CONFIG_FILE"] == str(config), seen
+        assert seen["environ"]["SLURM_JOB_NAME"] == job_name, seen
+    assert squeue_field(slurm, job, "Name") == job_name
+    assert squeue_field(slurm, job, "Comment") == comment.split("=", 1)[1]
+    assert (project / f"o {job} $(touch PWNED) `x` ; #z.out").exists(), sorted(p.name for p in project.iterdir())
+    status = json.loads((log_dir / "run_status.json").read_text())
+    assert status["state"] == "submitted", status
+    assert not list(tmp_path.rglob(MARKER)), list(tmp_path.rglob(MARKER))
+
+
+@pytest.mark.timeout(120)
+def test_a_derived_job_name_and_default_output_reach_slurm_sanitised_and_literal(slurm: SlurmTestCluster, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    script = tmp_path / "my train\n$(touch PWNED).py"
+    script.write_text(ECHO.read_text())
+    log_dir = tmp_path / "logs 50%j"
+    job = submit(slurm, tmp_path, "--num_processes", "1", "--log_dir", str(log_dir), str(script), str(results))
+    slurm.wait_state(job, {"COMPLETED"}, timeout=120)
+    assert squeue_field(slurm, job, "Name") == "torchrig-my_train___touch_PWNED_"
+    assert (log_dir / f"slurm-{job}.out").exists(), sorted(p.name for p in log_dir.iterdir())
+    assert not list(tmp_path.rglob(MARKER))
+
+
+@pytest.mark.timeout(120)
+def test_when_sbatch_rejects_the_job_its_exit_code_and_stderr_are_the_diagnosis(slurm: SlurmTestCluster, tmp_path):
+    log_dir = tmp_path / "logs"
+    proc = slurm.run([sys.executable, "-m", "torchrig.launch", "--cluster", "slurm", "--log_dir", str(log_dir),
+                      str(ECHO), str(tmp_path)], cwd=str(tmp_path), check=False, timeout=90,
+                     env=worker_env(TORCHRIG_SLURM__PARTITION="nosuchpartition"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "sbatch rejected the job (exit 1)" in proc.stderr and "invalid partition" in proc.stderr.lower(), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    status = json.loads((log_dir / "run_status.json").read_text())
+    assert (status["state"], status["reason"]) == ("failed", "sbatch_failed"), status
+    assert status["handoff"]["exit_code"] == 1 and "invalid partition" in status["handoff"]["stderr"].lower(), status
+    assert "sbatch rejected the job (exit 1)" in status["headline"], status
+    assert "did not all finish" not in json.dumps(status), status

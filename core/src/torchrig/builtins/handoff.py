@@ -35,6 +35,31 @@ SUBMITTED = "submitted"
 
 _SLURM_TIME = re.compile(r"(\d+)(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|unlimited|infinite", re.IGNORECASE)
 
+#: No generated line may carry these: a line break ends an ``#SBATCH`` line (what follows would be
+#: a line of the script, which bash runs), and no other control character means anything in an option.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+#: A host of ``mpi.hosts`` (``host`` or ``host:slots``) or the rendezvous host: a name or an IPv4
+#: address. Never a leading ``-`` (Open MPI hands the host to ``ssh``, which would read an option).
+_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_HOST_SLOTS = re.compile(r"(?P<host>[^:]*)(?::(?P<slots>.*))?")
+#: The rendezvous address may also be an IPv6 address (with a ``%zone``).
+_ADDRESS = re.compile(r"[A-Za-z0-9_:\[][A-Za-z0-9_.:%\[\]-]*")
+
+
+class HandoffRefused(ValueError):
+    """A value that cannot reach the cluster's launcher safely; the message names it and what to do."""
+
+
+def control_character(value: str) -> str | None:
+    """How to name the first control character of ``value`` (``'a newline (\\n)'``), or ``None``."""
+    match = _CONTROL.search(value)
+    if match is None:
+        return None
+    char = match.group(0)
+    names = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL byte"}
+    return f"{names.get(char, 'a control character')} ({char!r})"
+
 
 def _slurm_time(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not _SLURM_TIME.fullmatch(str(value)):
@@ -43,20 +68,60 @@ def _slurm_time(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _word(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (not str(value).strip() or re.search(r"\s", str(value))):
-        raise ValueError(f"expected one word without spaces; got {value!r}", attribute)
+    if value is not None and (not str(value).strip() or re.search(r"\s", str(value)) or _CONTROL.search(str(value))):
+        raise ValueError(f"expected one word without spaces or control characters; got {value!r}", attribute)
 
 
-def _options_list(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    bad = [item for item in value if not isinstance(item, str) or not item.startswith("-") or "\n" in item]
-    if bad:
-        raise ValueError(f"expected command-line options, each starting with '-' (e.g. '--mem=64G'); got {bad!r}",
-                         attribute)
+def _line_text(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """A value written into one line of the batch script: anything but a control character."""
+    found = control_character(value) if isinstance(value, str) else None
+    if found:
+        raise ValueError(f"{value!r} contains {found}, which cannot be written into an #SBATCH line (it would "
+                         "end the line and run the rest as a command); remove it", attribute)
+
+
+def _option_entries(*, refused: Mapping[str, str] | None = None) -> Any:
+    """Validator of ``*_args``: command-line options, each starting with ``-``, no control
+    character; ``refused`` maps an option (or a prefix getopt would expand to it) to why not."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        bad = [item for item in value if not isinstance(item, str) or not item.startswith("-")]
+        if bad:
+            raise ValueError(f"expected command-line options, each starting with '-' (e.g. '--mem=64G'); got {bad!r}",
+                             attribute)
+        for item in value:
+            found = control_character(item)
+            if found:
+                raise ValueError(f"the entry {item!r} contains {found}: a command-line option cannot carry one; "
+                                 "remove it", attribute)
+            name = item.split("=", 1)[0]
+            for option_name, why in (refused or {}).items():
+                if len(name) >= 4 and option_name.startswith(name):
+                    raise ValueError(f"the entry {item!r} is {option_name}, which {why}", attribute)
+
+    return check
 
 
 def _as_list(value: Any) -> Any:
     """``"--mem=8G --qos=high"`` (a flag or variable) means two options."""
     return shlex.split(value) if isinstance(value, str) else value
+
+
+def _host_list(value: Any) -> Any:
+    """``"a,b:2"`` or ``"a b"`` (a file, flag or variable) means those hosts, as Open MPI's ``-H`` reads them."""
+    return [part for part in re.split(r"[,\s]+", value) if part] if isinstance(value, str) else value
+
+
+def _hosts(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    for entry in value:
+        match = _HOST_SLOTS.fullmatch(entry)
+        host, slots = (match.group("host"), match.group("slots")) if match else (entry, None)
+        if not _HOST.fullmatch(host):
+            raise ValueError(f"{entry!r} is not a host name (letters, digits, '.', '-', '_', not starting with '-'), "
+                             "optionally followed by ':slots'", attribute)
+        if slots is not None and not (slots.isdigit() and int(slots) >= 1):
+            raise ValueError(f"bad slot count in {entry!r}: expected 'host:slots' with slots a positive integer",
+                             attribute)
 
 
 @attrs.frozen(kw_only=True)
@@ -75,21 +140,25 @@ class SlurmOptions:
     gpus_per_task: int | None = option(None, help="GPUs per task (default: none requested)", validator=at_least(1))
     signal_seconds: int = option(120, help="with preemption.signals SIGUSR1: Slurm sends SIGUSR1 to the tasks this "
                                  "many seconds before the time limit (--signal=USR1@N)", validator=between(1, 65535))
-    output: str | None = option(None, help="the job's output file (default: <log_dir>/slurm-%j.out)")
+    output: str | None = option(None, help="the job's output file, Slurm's %-patterns allowed (default: "
+                                "<log_dir>/slurm-%j.out)", validator=_line_text)
     sbatch_args: list[str] = option(factory=list, help="more #SBATCH options, e.g. ['--mem=64G', '--qos=high']",
-                                    converter=_as_list, normalize=_as_list, validator=_options_list)
+                                    converter=_as_list, normalize=_as_list, validator=_option_entries(
+                                        refused={"--wrap": "would replace the batch script torchrig writes; "
+                                                 "run the command as the launched script instead"}))
     srun_args: list[str] = option(factory=list, help="more srun options, e.g. ['--mpi=pmi2']", converter=_as_list,
-                                  normalize=_as_list, validator=_options_list)
+                                  normalize=_as_list, validator=_option_entries())
 
 
 @attrs.frozen(kw_only=True)
 class MPIOptions:
     """``torchrig launch --cluster mpi``: where ``mpirun`` starts the ranks, and its extra options."""
 
-    hosts: list[str] = option(factory=list, help="hosts as 'host' or 'host:slots' (default: this machine); the "
-                              "first runs rank 0 and the rendezvous", converter=_as_list, normalize=_as_list)
+    hosts: list[str] = option(factory=list, help="hosts as 'host' or 'host:slots', a list or one string separated "
+                              "by commas or spaces (default: this machine); the first runs rank 0 and the rendezvous",
+                              converter=_host_list, normalize=_host_list, validator=_hosts)
     mpirun_args: list[str] = option(factory=list, help="more mpirun options, e.g. ['--oversubscribe']",
-                                    converter=_as_list, normalize=_as_list, validator=_options_list)
+                                    converter=_as_list, normalize=_as_list, validator=_option_entries())
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,53 +307,131 @@ def allocation_srun(plan: LaunchPlan, environ: Mapping[str, str]) -> list[str]:
     return srun_command(total // nodes, nodes, plan.script_command, cpus_per_task=cpus, extra=options.srun_args)
 
 
+#: What sbatch's ``#SBATCH`` parser passes through unchanged, unquoted.
+_SBATCH_PLAIN = re.compile(r"[A-Za-z0-9_./=,:@%+-]+")
+#: sbatch blanks out ``packjob`` (and splits het jobs at ``hetjob``) anywhere in an ``#SBATCH`` line.
+_HETJOB_WORD = re.compile(r"(pack|het)(job)", re.IGNORECASE)
+#: An environment variable name, the only thing written unquoted after ``export``.
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def sbatch_quote(option: str, what: str) -> str:
+    """``option`` written so that sbatch's ``#SBATCH`` parser reads it back exactly.
+
+    That parser (Slurm's ``get_argument``) splits a line on whitespace, groups with single or
+    double quotes, drops a backslash and keeps the character after it, ends the line at an
+    unquoted ``#``, and blanks ``packjob`` out of the whole line. So: plain options as they are;
+    any other in double quotes with ``\\`` and ``"`` escaped and ``pack\\job``/``het\\job`` broken
+    by an escape. A control character cannot be written (a line break would end the line and the
+    rest would run as a command): :class:`HandoffRefused` names ``what``."""
+    found = control_character(option)
+    if found:
+        raise HandoffRefused(f"{what} = {option!r} contains {found}, which cannot be written into the batch script's "
+                             "#SBATCH lines (it would end the line and run the rest as a command); remove it")
+    if _SBATCH_PLAIN.fullmatch(option) and not _HETJOB_WORD.search(option):
+        return option
+    escaped = re.sub(r'(["\\])', r"\\\1", option)
+    return '"' + _HETJOB_WORD.sub(lambda match: f"{match.group(1)}\\{match.group(2)}", escaped) + '"'
+
+
+def derived_job_name(plan: LaunchPlan) -> str:
+    """``torchrig-<script name>`` with everything but letters, digits, ``.``, ``_`` and ``-`` made ``_``
+    (a file name may hold spaces, quotes or line breaks; a job name shown by squeue should not)."""
+    target = next((part for part in plan.script_command if not part.startswith("-") and part != sys.executable),
+                  "job")
+    stem = os.path.splitext(os.path.basename(target))[0] or "job"
+    return "torchrig-" + re.sub(r"[^A-Za-z0-9._-]", "_", stem)
+
+
+def default_output(log_dir: str) -> str:
+    """``<log_dir>/slurm-%j.out`` with the directory's own ``%`` doubled (Slurm's literal percent), so
+    only the file name's ``%j`` is a pattern. A backslash anywhere turns Slurm's patterns off for the
+    whole name: then the file is ``slurm.out``, literally."""
+    if "\\" in log_dir:
+        return os.path.join(log_dir, "slurm.out")
+    return os.path.join(log_dir.replace("%", "%%"), "slurm-%j.out")
+
+
+def output_file(pattern: str, job: str) -> str:
+    """The file Slurm writes for an ``--output`` of ``pattern`` (``%j`` and ``%%`` expanded; other
+    patterns shown as they are)."""
+    if "\\" in pattern:
+        return pattern
+    return re.sub(r"%(%|j)", lambda match: "%" if match.group(1) == "%" else job, pattern)
+
+
+def _log_dir(plan: LaunchPlan) -> str:
+    log_dir = plan.log_dir or os.getcwd()
+    found = control_character(log_dir)
+    if found:
+        raise HandoffRefused(f"the log directory (--log_dir) {log_dir!r} contains {found}; the batch script names it "
+                             "in its #SBATCH --output line, which cannot span lines: choose a directory without it")
+    return log_dir
+
+
+def sbatch_output(plan: LaunchPlan) -> str:
+    """The job's ``--output``: ``slurm.output`` (Slurm's ``%`` patterns allowed), else :func:`default_output`."""
+    return _section(plan, SlurmOptions).output or default_output(_log_dir(plan))
+
+
 def sbatch_script(plan: LaunchPlan) -> str:
     """The batch script ``torchrig launch --cluster slurm`` submits: ``#SBATCH`` lines from the
     ``slurm`` section, ``num_machines`` and ``num_processes`` (and the ``preemption`` section:
-    ``--signal=USR1@N``, ``--requeue``), the environment the workers need, and one ``srun`` step."""
+    ``--signal=USR1@N``, ``--requeue``), the environment the workers need, and one ``srun`` step.
+
+    Every value reaches sbatch or bash exactly: ``#SBATCH`` options through :func:`sbatch_quote`,
+    the body's words through :func:`shlex.quote`; a value that cannot is refused
+    (:class:`HandoffRefused`, naming it)."""
     options = _section(plan, SlurmOptions)
     config = plan.config
     signals = list(config.get("preemption.signals") or []) if config is not None else []
     requeue = bool(config.get("preemption.requeue")) if config is not None else False
-    target = next((part for part in plan.script_command if not part.startswith("-") and part != sys.executable),
-                  "job")
-    name = options.job_name or f"torchrig-{os.path.splitext(os.path.basename(target))[0] or 'job'}"
-    output = options.output or os.path.join(plan.log_dir or os.getcwd(), "slurm-%j.out")
+    name = options.job_name or derived_job_name(plan)
+    output = sbatch_output(plan)
     nodes, total = options.nodes or plan.num_nodes, plan.nproc_per_node * plan.num_nodes
     if total % nodes:
         raise ValueError(f"slurm: num_processes {total} does not divide over slurm.nodes {nodes}: each node runs "
                          "num_processes / nodes tasks")
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nodes}",
-             f"#SBATCH --ntasks-per-node={total // nodes}"]
+    sbatch: list[tuple[str, str]] = [(f"--job-name={name}", "slurm.job_name"), (f"--nodes={nodes}", "slurm.nodes"),
+                                     (f"--ntasks-per-node={total // nodes}", "num_processes")]
     if options.cpus_per_task:
-        lines.append(f"#SBATCH --cpus-per-task={options.cpus_per_task}")
+        sbatch.append((f"--cpus-per-task={options.cpus_per_task}", "slurm.cpus_per_task"))
     if options.gpus_per_task:
-        lines.append(f"#SBATCH --gpus-per-task={options.gpus_per_task}")
+        sbatch.append((f"--gpus-per-task={options.gpus_per_task}", "slurm.gpus_per_task"))
     for flag, value in (("time", options.time), ("partition", options.partition), ("account", options.account)):
         if value:
-            lines.append(f"#SBATCH --{flag}={value}")
-    lines.append(f"#SBATCH --output={output}")
+            sbatch.append((f"--{flag}={value}", f"slurm.{flag}"))
+    sbatch.append((f"--output={output}", "slurm.output" if options.output else "--log_dir"))
     if "SIGUSR1" in signals:  # to every task of the steps (not B:, the batch shell, which would die of it)
-        lines.append(f"#SBATCH --signal=USR1@{options.signal_seconds}")
+        sbatch.append((f"--signal=USR1@{options.signal_seconds}", "slurm.signal_seconds"))
     if requeue:  # the requeued job appends to the same output file
-        lines += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
-    lines += [f"#SBATCH {arg}" for arg in options.sbatch_args]
+        sbatch += [("--requeue", "preemption.requeue"), ("--open-mode=append", "preemption.requeue")]
+    sbatch += [(arg, "slurm.sbatch_args") for arg in options.sbatch_args]
+    lines = ["#!/bin/bash", *(f"#SBATCH {sbatch_quote(option, what)}" for option, what in sbatch)]
     lines += ["", "# written by torchrig launch --cluster slurm; each srun task is one rank (the slurm plugin reads",
               "# SLURM_PROCID, SLURM_NTASKS, ...). The submitting shell's environment is exported by sbatch.",
               "set -eo pipefail", f"cd {shlex.quote(os.getcwd())}"]
-    lines += [f"export {key}={shlex.quote(value)}" for key, value in sorted(plan.env.items())]
+    lines += [f"export {_env_name(key)}={shlex.quote(value)}" for key, value in sorted(plan.env.items())]
     srun = srun_command(total // nodes, nodes, plan.script_command,
                         cpus_per_task=options.cpus_per_task, extra=options.srun_args)
     lines += ["", f"exec {shlex.join(srun)}", ""]
     return "\n".join(lines)
 
 
+def _env_name(key: str) -> str:
+    if not _ENV_NAME.fullmatch(key):
+        raise HandoffRefused(f"the worker environment variable name {key!r} is not a shell variable name "
+                             "(letters, digits and '_', not starting with a digit)")
+    return key
+
+
 def describe_slurm(plan: LaunchPlan, srun: Sequence[str] | None) -> str:
-    """``--dry-run``: the ``srun`` line (inside an allocation) or the batch script (outside)."""
+    """``--dry-run``: the ``srun`` line (inside an allocation) or the batch script (outside), both
+    exactly as they run: the script verbatim, the line shell-quoted (pasting it runs the same argv)."""
     if srun is not None:
-        return f"inside Slurm job: `{PROG}` runs one srun step over the allocation:\n  {shlex.join(srun)}"
-    return (f"Slurm: `{PROG}` would write this batch script to {os.path.join(plan.log_dir or '.', 'sbatch.sh')} "
-            f"and submit it with sbatch:\n{sbatch_script(plan)}")
+        return f"  inside Slurm job: `{PROG}` runs one srun step over the allocation:\n  {shlex.join(srun)}"
+    return (f"  Slurm: `{PROG}` would write this batch script to {os.path.join(plan.log_dir or '.', 'sbatch.sh')} "
+            f"and submit it with sbatch (verbatim, to the end of this output):\n{sbatch_script(plan)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +452,11 @@ def mpirun_line(plan: LaunchPlan, *, port: int | None = None) -> list[str]:
     options = _section(plan, MPIOptions)
     hosts = list(options.hosts)
     first = hosts[0].partition(":")[0] if hosts else "127.0.0.1"
-    addr = plan.master_addr or first
+    main_ip = plan.config.get("main_process_ip") if plan.config is not None else None
+    addr = plan.master_addr or main_ip or first
+    if not _ADDRESS.fullmatch(addr) or addr.startswith("-"):
+        raise HandoffRefused(f"main_process_ip = {addr!r} is not a host name or address: mpirun exports it to "
+                             "every rank as MASTER_ADDR; give the name or address of the first host")
     endpoint_port = int(plan.rdzv_endpoint.rpartition(":")[2] or 0)
     master_port = port or endpoint_port or _free_port()
     forwarded = [arg for key in sorted(plan.env) for arg in ("-x", key)]
@@ -314,9 +465,13 @@ def mpirun_line(plan: LaunchPlan, *, port: int | None = None) -> list[str]:
 
 
 def describe_mpi(plan: LaunchPlan) -> str:
-    """``--dry-run``: the ``mpirun`` line (its port is picked again at launch unless ``main_process_port`` is set)."""
-    return f"MPI: `{PROG}` would start every rank with mpirun:\n  {shlex.join(mpirun_line(plan))}"
+    """``--dry-run``: the ``mpirun`` line, shell-quoted, to the end of the output (pasting it runs the same
+    argv; its port is picked again at launch unless ``main_process_port`` is set)."""
+    port = "" if plan.rdzv_endpoint.rpartition(":")[2] not in ("", "0") else (
+        " (MASTER_PORT is picked again at launch: set main_process_port to fix it)")
+    return f"  MPI: `{PROG}` would start every rank with mpirun{port}:\n  {shlex.join(mpirun_line(plan))}"
 
 
-__all__ = ["PROG", "SUBMITTED", "MPIOptions", "SlurmOptions", "allocation_srun", "describe_mpi", "describe_slurm",
-           "mpirun_command", "mpirun_line", "sbatch_script", "srun_command"]
+__all__ = ["PROG", "SUBMITTED", "HandoffRefused", "MPIOptions", "SlurmOptions", "allocation_srun", "control_character",
+           "default_output", "derived_job_name", "describe_mpi", "describe_slurm", "mpirun_command", "mpirun_line",
+           "output_file", "sbatch_output", "sbatch_quote", "sbatch_script", "srun_command"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import textwrap
 from typing import Any, TextIO
 
 from torchrig.config.resolve import ResolvedConfig
@@ -120,8 +119,8 @@ def print_dry_run(host: PluginHost, config: ResolvedConfig, plan: LaunchPlan, la
     handoffs = [text for text in host.hook.torchrig_describe_launch(plan=plan) or [] if text]
     if handoffs:  # a cluster plugin starts the ranks: elastic's per-rank environment does not apply
         print("\nHand-off (a cluster plugin's launcher starts the ranks, not torch elastic):", file=out)
-        for text in handoffs:
-            print(textwrap.indent(text, "  "), file=out)
+        for text in handoffs:  # verbatim: a script or a quoted line must read back exactly (no indent added)
+            print(text, file=out)
         return
     print("\nEnvironment of each rank on this machine (on top of the launcher's):", file=out)
     for local_rank in range(plan.nproc_per_node):

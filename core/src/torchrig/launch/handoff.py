@@ -24,10 +24,13 @@ from torchrig.builtins.clusters import MPICluster, SlurmCluster, mpi_hands_off, 
 from torchrig.builtins.handoff import (
     PROG,
     SUBMITTED,
+    HandoffRefused,
     allocation_srun,
     describe_mpi,
     describe_slurm,
     mpirun_line,
+    output_file,
+    sbatch_output,
     sbatch_script,
 )
 from torchrig.launch.status import (
@@ -51,9 +54,14 @@ class SlurmLauncher(SlurmCluster):
     def torchrig_launch(self, plan: LaunchPlan) -> int | None:
         """Hand off to Slurm where :func:`slurm_launch_mode` says so; else torch elastic starts the workers."""
         mode = slurm_launch_mode(plan, os.environ)
-        if mode == "srun":
-            return run_forwarding(plan, allocation_srun(plan, os.environ), what="srun")
-        return submit(plan) if mode == "sbatch" else None
+        if mode is None:
+            return None
+        try:
+            if mode == "srun":
+                return run_forwarding(plan, allocation_srun(plan, os.environ), what="srun")
+            return submit(plan)
+        except HandoffRefused as exc:
+            return refuse(plan, "srun" if mode == "srun" else "sbatch", exc)
 
     @hookimpl
     def torchrig_describe_launch(self, plan: LaunchPlan) -> str | None:
@@ -69,15 +77,38 @@ class MPILauncher(MPICluster):
     @hookimpl
     def torchrig_launch(self, plan: LaunchPlan) -> int | None:
         """With ``cluster: mpi`` (and not already an MPI rank): every rank started by ``mpirun``."""
-        return run_mpirun(plan) if mpi_hands_off(plan, os.environ) else None
+        if not mpi_hands_off(plan, os.environ):
+            return None
+        try:
+            return run_mpirun(plan)
+        except HandoffRefused as exc:
+            return refuse(plan, "mpirun", exc)
 
     @hookimpl
     def torchrig_describe_launch(self, plan: LaunchPlan) -> str | None:
         return describe_mpi(plan) if mpi_hands_off(plan, os.environ) else None
 
 
+#: ``torchrig launch``'s exit code for a value refused before anything was handed off (a usage error).
+EXIT_REFUSED = 2
+
+
+def refuse(plan: LaunchPlan, what: str, exc: HandoffRefused) -> int:
+    """A value that cannot reach ``what`` safely: say so (no traceback), record it, start nothing."""
+    print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+    record_handoff(plan, [], what, state=FAILED, exit_code=EXIT_REFUSED, reason="refused",
+                   headline=f"nothing was handed to {what}: {exc}")
+    return EXIT_REFUSED
+
+
+#: How long ``sbatch`` may take to answer (it only talks to slurmctld).
+SBATCH_TIMEOUT_S = 120
+
+
 def submit(plan: LaunchPlan) -> int:
-    """Write the batch script into the log directory and ``sbatch`` it; print the job id and how to follow it."""
+    """Write the batch script into the log directory and ``sbatch`` it; print the job id and how to
+    follow it. When sbatch fails (a bad partition, a rejected job), its exit code and stderr are the
+    diagnosis: printed and recorded in ``run_status.json``."""
     script = sbatch_script(plan)
     log_dir = plan.log_dir or os.getcwd()
     os.makedirs(log_dir, exist_ok=True)
@@ -85,22 +116,39 @@ def submit(plan: LaunchPlan) -> int:
     with open(path, "w") as handle:
         handle.write(script)
     sbatch = shutil.which("sbatch")
+    command = [sbatch or "sbatch", "--parsable", path]
     if sbatch is None:
-        raise FileNotFoundError(f"sbatch is not on PATH: run `{PROG} --cluster slurm` where Slurm's commands are "
-                                f"(a login node), or submit the script it wrote yourself: sbatch {path}")
-    proc = subprocess.run([sbatch, "--parsable", path], env={**os.environ, **plan.env}, capture_output=True,
-                          text=True, timeout=120)
+        return sbatch_failed(plan, command, None, f"sbatch is not on PATH: run `{PROG} --cluster slurm` where "
+                             f"Slurm's commands are (a login node), or submit the script it wrote yourself: "
+                             f"sbatch {shlex.quote(path)}")
+    try:
+        proc = subprocess.run(command, env={**os.environ, **plan.env}, capture_output=True, text=True,
+                              timeout=SBATCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return sbatch_failed(plan, command, None, f"sbatch did not answer in {SBATCH_TIMEOUT_S} s (is slurmctld "
+                             f"reachable? `scontrol ping`); the job may or may not have been submitted: check "
+                             "`squeue --me`")
     if proc.returncode != 0:
-        print(f"{PROG}: sbatch {path} failed (exit {proc.returncode}): {(proc.stderr or proc.stdout).strip()}",
-              file=sys.stderr, flush=True)
-        return 1
+        said = (proc.stderr or proc.stdout).strip() or "(no output)"
+        return sbatch_failed(plan, command, proc.returncode,
+                             f"sbatch rejected the job (exit {proc.returncode}): {said}", stderr=said)
     job = proc.stdout.strip().split(";")[0]
-    record_handoff(plan, ["sbatch", path], "sbatch", state=SUBMITTED, exit_code=0, headline=f"submitted Slurm job {job}")
-    output = next(line.split("=", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH --output="))
+    record_handoff(plan, command, "sbatch", state=SUBMITTED, exit_code=0, headline=f"submitted Slurm job {job}")
+    output = sbatch_output(plan)
     print(f"{PROG}: submitted Slurm job {job} (script {path})", flush=True)
-    print(f"{PROG}: follow it with `squeue -j {job}` and `tail -f {output.replace('%j', job)}`; "
+    print(f"{PROG}: follow it with `squeue -j {job}` and `tail -f {shlex.quote(output_file(output, job))}`; "
           f"cancel it with `scancel {job}`", flush=True)
     return 0
+
+
+def sbatch_failed(plan: LaunchPlan, command: Sequence[str], exit_code: int | None, message: str, *,
+                  stderr: str | None = None) -> int:
+    """Nothing was submitted: the reason printed and recorded (``reason: "sbatch_failed"``, sbatch's
+    exit code and stderr in ``handoff``); ``torchrig launch`` exits 1."""
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+    record_handoff(plan, command, "sbatch", state=FAILED, exit_code=1, reason="sbatch_failed", headline=message,
+                   detail={"exit_code": exit_code, "stderr": stderr})
+    return 1
 
 
 def run_mpirun(plan: LaunchPlan) -> int:
@@ -142,7 +190,7 @@ def run_forwarding(plan: LaunchPlan, command: Sequence[str], *, what: str) -> in
 
 
 def record_handoff(plan: LaunchPlan, command: Sequence[str], what: str, *, state: str, exit_code: int,
-                   headline: str) -> None:
+                   headline: str, reason: str | None = None, detail: dict[str, Any] | None = None) -> None:
     """``run_status.json`` of a launch handed to a cluster's launcher: there are no per-rank status
     files (the ranks run the user's command, not torchrig's wrapper), so only the outcome."""
     if not plan.log_dir:
@@ -152,8 +200,11 @@ def record_handoff(plan: LaunchPlan, command: Sequence[str], what: str, *, state
                         attempts=[], plan={"max_restarts": 0, "handed_off_to": what, "command": list(command)},
                         warnings=list(plan.warnings))
     report["headline"] = headline
+    report["reason"] = reason or report.get("reason")
+    if detail is not None:  # what the cluster's launcher itself said (sbatch's exit code and stderr)
+        report["handoff"] = {"command": list(command), **detail}
     write_json_atomic(os.path.join(plan.log_dir, RUN_STATUS_FILE), report)
 
 
-__all__ = ["FORWARDED_SIGNALS", "MPILauncher", "SlurmLauncher", "record_handoff", "run_forwarding", "run_mpirun",
-           "submit"]
+__all__ = ["EXIT_REFUSED", "FORWARDED_SIGNALS", "SBATCH_TIMEOUT_S", "MPILauncher", "SlurmLauncher", "record_handoff",
+           "refuse", "run_forwarding", "run_mpirun", "sbatch_failed", "submit"]
