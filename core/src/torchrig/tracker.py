@@ -9,9 +9,24 @@ policy (:mod:`torchrig.tracking`) and what that policy depends on. Torch-free.
 from __future__ import annotations
 
 import enum
+import logging
 import numbers
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+logger = logging.getLogger("torchrig.tracking")
+
+
+class LogEvent(NamedTuple):
+    """One queued ``log`` call, as :meth:`Tracker.log_many` receives it."""
+
+    values: Mapping[str, Any]
+    step: int | None
+
+
+#: What a lane installs on its tracker to count values the tracker could not record:
+#: ``(name, type name, why, truncated)``.
+ValueLossSink = Callable[[str, str, str, bool], None]
 
 
 class Tracker:
@@ -44,9 +59,14 @@ class Tracker:
     monotonic_steps: bool = False
     #: Events that may wait for this tracker; beyond, new events are dropped (``queue_full``).
     queue_size: int = 1000
-    #: Seconds the core waits for this tracker when it must: ``end_training`` (drain the queue
-    #: and ``finish``) and ``get_tracker(name, unwrap=True)`` before ``start`` completed.
+    #: Seconds without progress after which the core gives up on this tracker: ``end_training``
+    #: waits while calls keep returning and abandons the tracker only when none has returned for
+    #: this long (stuck, not slow); ``get_tracker(name, unwrap=True)`` waits this long for ``start``.
     wait_timeout: float = 30.0
+    #: At most this many queued ``log`` events go to one :meth:`log_many` call.
+    max_batch_events: int = 1000
+    #: Set by the core's lane: where :meth:`value_not_recorded` reports (None: a plain warning).
+    _value_loss_sink: ValueLossSink | None = None
 
     @property
     def tracker(self) -> Any:
@@ -69,6 +89,16 @@ class Tracker:
         """
         raise NotImplementedError(f"tracker {self.name!r} ({type(self).__qualname__}) does not implement log()")
 
+    def log_many(self, events: Sequence[LogEvent], **kwargs: Any) -> None:
+        """Record several queued ``log`` events (in order) in as few library calls as it allows.
+
+        Optional: a tracker that overrides it gets every ``log`` event waiting in its queue (up
+        to :attr:`max_batch_events`, consecutive, with the same ``kwargs``) in one call, so a slow
+        server costs one round trip per batch, not per event. Raising fails the whole batch.
+        """
+        for event in events:
+            self.log(event.values, event.step, **kwargs)
+
     def log_images(self, values: Mapping[str, Any], step: int | None, **kwargs: Any) -> None:
         """Record images (name -> image or list/batch of images) at ``step``. Optional: a tracker
         that does not override it is skipped by ``log_images`` calls."""
@@ -85,8 +115,23 @@ class Tracker:
         Default: nothing to close."""
 
     def supports(self, method: str) -> bool:
-        """Whether this tracker implements an optional method (``"log_images"``, ``"log_table"``)."""
+        """Whether this tracker implements an optional method (``"log_images"``, ``"log_table"``,
+        ``"log_many"``)."""
         return getattr(type(self), method, None) is not getattr(Tracker, method, None)
+
+    def value_not_recorded(self, name: str, value: Any, why: str, *, truncated: bool = False) -> None:
+        """Say that the value ``name`` was skipped (or, with ``truncated``, cut short) because the
+        library cannot take it: a tracker never drops a value silently. The core counts it in
+        this tracker's report (``skipped_values`` / ``truncated_values``) and warns once per name."""
+        sink = self._value_loss_sink
+        if sink is not None:
+            sink(name, type(value).__name__, why, truncated)
+            return
+        said = self.__dict__.setdefault("_values_said", set())
+        if name not in said:
+            said.add(name)
+            logger.warning("tracker %r: value %r (%s) is %s: %s", self.name, name, type(value).__name__,
+                           "truncated" if truncated else "not recorded", why)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,4 +187,4 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-__all__ = ["Tracker", "as_scalar", "flatten", "jsonable"]
+__all__ = ["LogEvent", "Tracker", "ValueLossSink", "as_scalar", "flatten", "jsonable"]

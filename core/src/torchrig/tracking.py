@@ -10,17 +10,22 @@ every tracker lives here, in the core, not in each tracker (see docs/trackers.md
 * **Never fatal, never in the way.** Each tracker has its own bounded queue and worker thread.
   ``log()`` snapshots the values and returns; a tracker that raises, or blocks (network down),
   loses events — counted, with rate-limited warnings — but never stops or slows training.
-  ``end_training()`` waits a bounded time (``Tracker.wait_timeout``) for each tracker to drain
-  and finish, returns what each delivered and dropped, and records it in this rank's status
-  file (merged by ``torchrig launch`` into ``run_status.json``).
+  ``end_training()`` waits for each tracker to drain and finish while it makes progress,
+  returns what each delivered and dropped (and at which steps), and records it in this rank's
+  status file (merged by ``torchrig launch`` into ``run_status.json``).
 * **One step model.** ``step`` is an integer >= 0 (usually the optimizer step); ``step=None``
   means "the step after the last one logged" (0 first), so every tracker sees the same step. A
   step lower than the last one is passed on unchanged to trackers that accept it (csv, jsonl,
   TensorBoard, MLflow record it as given) and refused — counted as dropped — by trackers that
   declare ``monotonic_steps = True`` (W&B ignores such data).
 * **Hyperparameters once.** ``init_trackers`` hands each tracker, once, the user's ``config``
-  plus the resolved torchrig configuration (``torchrig``) and where each non-default value came
-  from (``torchrig_sources``), see :func:`run_hyperparameters`.
+  plus a compact summary of the torchrig configuration (``torchrig``; every key with
+  ``tracker_hyperparameters: full``) and where each non-default value came from
+  (``torchrig_sources``), see :func:`run_hyperparameters`.
+* **Slow is not stuck.** Queued ``log`` events reach a tracker that can batch in one call
+  (``Tracker.log_many``); ``end_training`` waits while calls keep returning and gives up on a
+  tracker only after ``wait_timeout`` seconds without one. Every lost event is counted with the
+  steps it covered; every value a tracker cannot record is counted and said once.
 
 Torch-free at import (the configuration layer imports :class:`Tracker`).
 """
@@ -32,7 +37,6 @@ import functools
 import logging
 import operator
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +45,7 @@ from torchrig._version import __version__
 from torchrig.compat.resolve import module_attributes
 from torchrig.config.resolve import Layer, Schema
 from torchrig.tracker import Tracker, as_scalar, flatten, jsonable
-from torchrig.tracker_lane import DROP_REASONS, WARNING_BURST, WARNING_INTERVAL, _Lane
+from torchrig.tracker_lane import DROP_REASONS, WARNING_BURST, WARNING_INTERVAL, _Lane, describe_steps, step_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.run import RunContext
@@ -137,7 +141,7 @@ class TrackerHandle:
     def finish(self) -> dict[str, Any]:
         """Finish this tracker now (``end_training`` finishes every tracker); returns its report."""
         self._lane.close()
-        self._lane.join(time.monotonic() + self._lane.tracker.wait_timeout)
+        self._lane.join(float(self._lane.tracker.wait_timeout))
         return self._lane.report()
 
     def __getattr__(self, name: str) -> Any:
@@ -205,6 +209,9 @@ class TrackerHub:
         self._report: dict[str, dict[str, Any]] = {}
         self._atexit: Callable[[], None] | None = None
         self._finish_lock = threading.Lock()
+        #: What end_training finished: events logged after it are counted there (after_end).
+        self._finished: _FinishedRun | None = None
+        self._said_before_init = False
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -267,6 +274,7 @@ class TrackerHub:
         self._handles = [TrackerHandle(self, lane) for lane in lanes]
         self._initialised = True
         self._report = {}
+        self._finished = None
         if lanes:  # finished at exit if end_training is never called (holds the lanes, not the run)
             self._atexit = functools.partial(_finish_lanes, lanes)
             atexit.register(self._atexit)
@@ -275,10 +283,22 @@ class TrackerHub:
             log_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         values, step = self._prepare(values, step)
         if not self._lanes:
+            self._log_without_lanes(values, step)
             return
         per_tracker = log_kwargs or {}
         for lane in self._lanes:
             lane.submit("log", (values, step), per_tracker.get(lane.name, {}), step)
+
+    def _log_without_lanes(self, values: dict[str, Any], step: int) -> None:
+        """No tracker runs here: after end_training, count the event as lost (``after_end``) for
+        each finished tracker (their report is rewritten at exit); before init_trackers, say once
+        that nothing records it. Ranks that run no tracker lose nothing and say nothing."""
+        if self._finished is not None:
+            self._finished.count_late(values, step)
+        elif not self._initialised and not self._said_before_init and self._requested_names():
+            self._said_before_init = True
+            logger.warning("log() before init_trackers(): no tracker runs yet, so %s is not recorded (nor any value "
+                           "logged before init_trackers; said once)", step_text(step))
 
     def finish(self) -> dict[str, dict[str, Any]]:
         """Drain and finish every tracker (bounded by each one's ``wait_timeout``); the report
@@ -288,10 +308,13 @@ class TrackerHub:
             if self._atexit is not None:
                 atexit.unregister(self._atexit)
                 self._atexit = None
-            if not self._initialised:
-                return dict(self._report)  # finished already (or never started): the last report
+            if not self._initialised:  # finished already (or never started): the last report, updated
+                if self._finished is not None:
+                    self._report = self._finished.publish()
+                return dict(self._report)
             self._initialised = False
             self._report = _finish_lanes(lanes)
+            self._finished = _FinishedRun(lanes, self._report)
             return dict(self._report)
 
     # -- internals -------------------------------------------------------------------------
@@ -366,17 +389,50 @@ class TrackerHub:
 
 
 def _finish_lanes(lanes: list[_Lane]) -> dict[str, dict[str, Any]]:
-    """Close every lane, wait for each (all at once) at most its tracker's ``wait_timeout``,
-    and publish the report. Also run at interpreter exit for trackers never finished."""
-    started = time.monotonic()
+    """Close every lane and wait for each while it makes progress (all at once: a lane's stall
+    clock starts when it is closed), abandoning one only after its tracker's ``wait_timeout``
+    without a call returning; publish the report. Also run at interpreter exit for trackers
+    never finished."""
     for lane in lanes:
         lane.close()
     for lane in lanes:
-        lane.join(started + float(lane.tracker.wait_timeout))
+        lane.join(float(lane.tracker.wait_timeout))
     report = {lane.name: lane.report() for lane in lanes}
     if report:
         _publish(report)
     return report
+
+
+class _FinishedRun:
+    """The trackers ``end_training`` finished. Events logged afterwards are lost: each lane
+    counts them (``after_end``, with their steps, said once), and the report is recorded again
+    — by the next ``end_training`` or at interpreter exit."""
+
+    def __init__(self, lanes: list[_Lane], report: dict[str, dict[str, Any]]) -> None:
+        self.lanes = lanes
+        self.report = report
+        self.lock = threading.Lock()
+        self.exit_hook = False
+
+    def count_late(self, values: Mapping[str, Any], step: int) -> None:
+        for lane in self.lanes:
+            lane.submit("log", (values, step), {}, step)
+        with self.lock:
+            if not self.exit_hook:
+                self.exit_hook = True
+                atexit.register(self.publish)
+
+    def publish(self) -> dict[str, dict[str, Any]]:
+        with self.lock:
+            report = {lane.name: lane.report() for lane in self.lanes}
+            if report == self.report:
+                return report
+            late = [f"tracker {name!r}: {row['after_end']} event(s) logged after end_training() were not recorded "
+                    f"({describe_steps(row['dropped_steps'].get('after_end', []))})"
+                    for name, row in report.items() if row["after_end"] != self.report.get(name, {}).get("after_end")]
+            self.report = report
+        run_status.record(trackers=report, **({"warnings": late} if late else {}))
+        return report
 
 
 def _publish(report: Mapping[str, Mapping[str, Any]]) -> None:
@@ -384,26 +440,42 @@ def _publish(report: Mapping[str, Mapping[str, Any]]) -> None:
     merges the warnings into ``run_status.json``)."""
     warnings = []
     for name, row in report.items():
-        if row["dropped"] or row["errors"] or row["state"] != "finished":
-            detail = ", ".join(f"{row[k]} {k.replace('_', ' ')}" for k in DROP_REASONS if row[k])
-            last = f"; last error: {row['last_error']}" if row["last_error"] else ""
-            message = (f"tracker {name!r} {row['state']}: delivered {row['delivered']} events, dropped "
-                       f"{row['dropped']} ({detail or 'none'}){last}")
+        if row["dropped"] or row["errors"] or row["state"] != "finished" or row["skipped_values"] or row["truncated_values"]:
+            message = loss_summary(name, row)
             warnings.append(message)
             logger.warning(message)
     run_status.record(trackers=dict(report), **({"warnings": warnings} if warnings else {}))
+
+
+def loss_summary(name: str, row: Mapping[str, Any]) -> str:
+    """One line for a tracker's report: its state, what it delivered, what it lost and at which steps."""
+    steps = row.get("dropped_steps", {})
+    detail = ", ".join(f"{row[k]} {k.replace('_', ' ')}" + (f": {describe_steps(steps[k])}" if steps.get(k) else "")
+                       for k in DROP_REASONS if row[k])
+    values = [f"{row[k]} values {what}" for k, what in (("skipped_values", "not recorded"),
+                                                       ("truncated_values", "truncated")) if row[k]]
+    last = f"; last error: {row['last_error']}" if row["last_error"] else ""
+    return (f"tracker {name!r} {row['state']}: delivered {row['delivered']} events, dropped {row['dropped']} "
+            f"({detail or 'none'})" + "".join(f"; {v}" for v in values) + last)
 
 
 # --------------------------------------------------------------------------------------------
 # hyperparameters
 
 
+#: Core keys the summary always records, set or not (what a reader of a run asks first).
+SUMMARY_KEYS = ("strategy", "mixed_precision", "gradient_accumulation_steps")
+
+
 def run_hyperparameters(run: RunContext, user_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What ``store_init_configuration`` receives: the user's ``config``, plus
 
-    * ``torchrig``: the resolved configuration, nested as a config file writes it — every core
-      key, the sections of the core and of the plugins this run selected, and any other key a
-      source set;
+    * ``torchrig``: the resolved configuration, nested as a config file writes it. By default
+      (``tracker_hyperparameters: summary``) a compact summary: :data:`SUMMARY_KEYS` and every
+      value a source set (file, variable, flag, argument) — tens of keys, not hundreds, so a
+      tracker that records them one by one (MLflow params) is not slowed down by defaults nobody
+      chose. With ``full``: every core key, the sections of the core and of the plugins this run
+      selected, and any other key a source set;
     * ``torchrig_sources``: for each value not at its default, where it came from
       (``"flag --mixed_precision"``, ``"config file run.yaml:3"``...);
     * ``torchrig_run``: the number of processes and the torchrig version.
@@ -411,17 +483,21 @@ def run_hyperparameters(run: RunContext, user_config: Mapping[str, Any] | None =
     A user key with one of these names wins over torchrig's.
     """
     config = run.config
+    full = config.get("tracker_hyperparameters", "summary") == "full"
     sources: Mapping[str, Any] = getattr(config, "sources", {})
-    owners = Schema(run.plugins).section_owner if run.plugins is not None else {}
-    selected = {info.key for info in run.plugins.plugins() if info.status.value == "selected"} if run.plugins else set()
+    owners = Schema(run.plugins).section_owner if run.plugins is not None and full else {}
+    selected = {info.key for info in run.plugins.plugins() if info.status.value == "selected"} if run.plugins and full else set()
     values: dict[str, Any] = {}
     origins: dict[str, Any] = {}
     for key in config:
         section, _, field = key.rpartition(".")
         source = sources.get(key)
         is_set = source is not None and source.layer is not Layer.DEFAULT
-        owner = owners.get(section, "the core")
-        if section and not (is_set or owner == "the core" or owner in selected):
+        if full:
+            owner = owners.get(section, "the core")
+            if section and not (is_set or owner == "the core" or owner in selected):
+                continue
+        elif not (is_set or key in SUMMARY_KEYS):
             continue
         value = config[key]
         if key == "log_with":
@@ -440,7 +516,7 @@ def _put(target: dict[str, Any], section: str, field: str, value: Any) -> None:
 
 
 __all__ = [
-    "DROP_REASONS", "WARNING_BURST", "WARNING_INTERVAL", "BlankTracker", "Tracker", "TrackerHandle", "TrackerHub", "as_scalar", "flatten", "jsonable", "run_hyperparameters",
+    "DROP_REASONS", "SUMMARY_KEYS", "WARNING_BURST", "WARNING_INTERVAL", "BlankTracker", "Tracker", "TrackerHandle", "TrackerHub", "as_scalar", "flatten", "jsonable", "run_hyperparameters",
 ]
 
 # Accelerate's other names at this path (refusals, plugin exports): the declared table.

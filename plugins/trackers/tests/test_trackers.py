@@ -169,9 +169,9 @@ def test_csv_and_jsonl_record_steps_values_and_the_configuration_with_sources(tm
     config = events[1]["config"]
     assert config["lr"] == 0.01 and config["torchrig"]["use_cpu"] is True
     assert config["torchrig_sources"]["project_config"]["project_dir"] == "argument Accelerator(project_config=...)"
-    # sections of plugins this run did not select are left out unless something set them
+    # a compact summary: defaults nobody set are left out (tracker_hyperparameters: full keeps them)
     assert "fsdp_config" not in config["torchrig"] and "deepspeed_config" not in config["torchrig"]
-    assert "dataloader_config" in config["torchrig"] and config["torchrig"]["strategy"] == "single"
+    assert "dataloader_config" not in config["torchrig"] and config["torchrig"]["strategy"] == "single"
     assert [(e["step"], e["values"]) for e in events[2:6]] == [
         (0, {"loss": 0.5, "acc": 0.25, "note": "warmup"}), (1, {"loss": 0.4}),
         (5, {"loss": 0.3, "nested": {"a": 1}}), (6, {"loss": 0.2})]
@@ -245,7 +245,9 @@ def test_log_before_init_is_ignored_and_a_new_run_may_start_after_end_training(t
     first = accelerator.end_training()
     assert first["jsonl"]["delivered"] == 2
     assert accelerator.end_training() == first  # finishing twice reports the same run
-    accelerator.log({"loss": 2.0}, step=2)  # after end_training: ignored
+    accelerator.log({"loss": 2.0}, step=2)  # after end_training: not recorded, counted with its step
+    late = accelerator.end_training()["jsonl"]
+    assert (late["after_end"], late["dropped"], late["dropped_steps"]) == (1, 1, {"after_end": [[2, 2]]})
     accelerator.init_trackers("demo")
     accelerator.log({"loss": 3.0}, step=3)
     accelerator.end_training()
@@ -279,13 +281,14 @@ def test_a_tracker_that_raises_on_every_call_does_not_stop_training(tmp_path, ca
     assert improvement > 0  # training went on
     assert report["always_raises"] == {
         "state": "finished", "delivered": 0, "dropped": 51, "failed": 51, "errors": 52, "queue_full": 0,
-        "rejected_steps": 0, "abandoned": 0, "not_started": 0, "crashed": 0, "unsupported": 0,
+        "rejected_steps": 0, "abandoned": 0, "not_started": 0, "crashed": 0, "after_end": 0, "unsupported": 0,
+        "skipped_values": 0, "truncated_values": 0, "dropped_steps": {"failed": [[0, 49]]},
         "last_error": "ConnectionError: server unreachable"}
     assert report["jsonl"]["delivered"] == 51 and report["jsonl"]["dropped"] == 0  # the others unaffected
     raised = [r for r in caplog.records if "raised" in r.getMessage()]
     assert 1 <= len(raised) <= tracking.WARNING_BURST + 1, [r.getMessage() for r in raised]  # rate limited
     summary = [r.getMessage() for r in caplog.records if "dropped 51" in r.getMessage()]
-    assert summary == [("tracker 'always_raises' finished: delivered 0 events, dropped 51 (51 failed); "
+    assert summary == [("tracker 'always_raises' finished: delivered 0 events, dropped 51 (51 failed: steps 0-49); "
                         "last error: ConnectionError: server unreachable")]
 
 

@@ -83,6 +83,10 @@ class CoreOptions:
     gradient_accumulation_steps: int = option(1, help="micro-steps per optimizer step", validator=at_least(1))
     log_with: list[str | Tracker] = option(factory=list, help="tracker plugins to log to ('all': every installed one)",
                                            choices_from_kind="tracker")
+    tracker_hyperparameters: str = option(
+        "summary", help="what init_trackers records as hyperparameters besides its config=: 'summary' (strategy, "
+        "precision, accumulation and every value a file, variable, flag or argument set, with its source) or "
+        "'full' (every resolved key; docs/trackers.md)", choices=("summary", "full"), normalize=_lower)
     disable_plugins: list[str] = option(factory=list, help="plugins to disable: 'kind:name' or a bare name")
     strict_config: bool = option(False, help="make overriding an explicit Accelerator(...) argument an error, not a warning")
 

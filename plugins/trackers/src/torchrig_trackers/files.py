@@ -27,7 +27,7 @@ class CSVTracker(Tracker):
     """``metrics.csv``: one row per value — ``time,step,name,value`` (long format: names may
     appear at any step); ``hparams.csv``: ``name,value`` of the flattened hyperparameters.
     Nested values are flattened with ``/``; values that are not numbers or strings (images,
-    tensors with several elements) are skipped."""
+    tensors with several elements) are skipped — counted in the report, said once per name."""
 
     name = "csv"
     requires_logging_directory = True
@@ -69,6 +69,7 @@ class CSVTracker(Tracker):
         for key, value in flatten(values).items():
             scalar = as_scalar(value)
             if scalar is None and not isinstance(value, str):
+                self.value_not_recorded(key, value, "csv rows hold numbers and strings")
                 continue
             self._writer.writerow([f"{now:.3f}", "" if step is None else step, key, value if scalar is None else scalar])
         self._file.flush()

@@ -6,6 +6,10 @@ current directory stands for an unset ``logging_dir``) with artifacts in
 ``<logging_dir>/mlartifacts`` — MLflow's own recommended local backend, kept beside the run's
 other logs. The experiment is ``<project_name>`` (or ``MLFLOW_EXPERIMENT_NAME``), created if
 missing. MLflow records any step order: steps are written as given.
+
+Batched within MLflow's per-call limits: the hyperparameters go in ``log_batch`` calls of at most
+100 params, and every ``log`` event waiting in the queue goes in ``log_batch`` calls of at most
+1000 metrics (:meth:`MLflowTracker.log_many`), so a slow server costs one round trip per batch.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 from torchrig.markers import hookimpl
 from torchrig.run import RunContext
-from torchrig.tracker import Tracker, as_scalar, flatten, jsonable
+from torchrig.tracker import LogEvent, Tracker, as_scalar, flatten, jsonable
 
 #: MLflow's limits (mlflow.utils.validation): params per batch, metrics per batch, key length.
 PARAMS_PER_BATCH, METRICS_PER_BATCH, MAX_KEY_LENGTH, MAX_PARAM_LENGTH = 100, 1000, 250, 6000
@@ -30,9 +34,33 @@ def mlflow_key(name: str) -> str:
     return key[:MAX_KEY_LENGTH]
 
 
+class KeyTable:
+    """Names to MLflow keys, one to one for the whole run: a name whose sanitised key another
+    name already holds gets ``"<key>_2"``, ``_3``... — never a duplicate key (MLflow refuses
+    the whole batch) nor two series merged into one."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, str] = {}
+        self.taken: set[str] = set()
+
+    def __call__(self, name: str) -> str:
+        key = self.keys.get(name)
+        if key is None:
+            base = key = mlflow_key(name)
+            number = 1
+            while key in self.taken:
+                number += 1
+                suffix = f"_{number}"
+                key = base[:MAX_KEY_LENGTH - len(suffix)] + suffix
+            self.keys[name] = key
+            self.taken.add(key)
+        return key
+
+
 class MLflowTracker(Tracker):
-    """``store_init_configuration``: every flattened hyperparameter as a param (text, truncated
-    to MLflow's limit); ``log``: numbers as metrics (``log_batch``), other values skipped;
+    """``store_init_configuration``: every flattened hyperparameter as a param (text; one longer
+    than MLflow's limit is truncated, and said); ``log``/``log_many``: numbers as metrics
+    (``log_batch``), other values skipped (counted, said once per name);
     ``log_images``: ``log_image(key=..., step=...)`` per image (numpy HWC arrays or PIL
     images); ``log_table``: ``log_table`` into ``<table_name>.json``; ``finish``:
     ``set_terminated``. ``get_tracker("mlflow", unwrap=True)`` is the ``mlflow.entities.Run``;
@@ -53,6 +81,8 @@ class MLflowTracker(Tracker):
         self.description = description
         self.client: Any = None
         self.run: Any = None
+        self.param_keys = KeyTable()
+        self.metric_keys = KeyTable()
 
     @property
     def tracker(self) -> Any:
@@ -86,28 +116,37 @@ class MLflowTracker(Tracker):
 
         params = []
         for key, value in flatten(values).items():
-            value = jsonable(value)
-            text = value if isinstance(value, str) else ("" if value is None else str(value))
-            params.append(Param(mlflow_key(key), text[:MAX_PARAM_LENGTH]))
+            plain = jsonable(value)
+            text = plain if isinstance(plain, str) else ("" if plain is None else str(plain))
+            if len(text) > MAX_PARAM_LENGTH:
+                self.value_not_recorded(key, value, f"MLflow params hold at most {MAX_PARAM_LENGTH} characters "
+                                        f"(this one has {len(text)})", truncated=True)
+            params.append(Param(self.param_keys(key), text[:MAX_PARAM_LENGTH]))
         for chunk in _chunks(params, PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=chunk)
 
     def log(self, values: Mapping[str, Any], step: int | None, **kwargs: Any) -> None:
+        self.log_many([LogEvent(values, step)], **kwargs)
+
+    def log_many(self, events: Sequence[LogEvent], **kwargs: Any) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         metrics = []
-        for key, value in flatten(values).items():
-            scalar = as_scalar(value)
-            if scalar is not None:
-                metrics.append(Metric(mlflow_key(key), float(scalar), now, step or 0))
+        for values, step in events:
+            for key, value in flatten(values).items():
+                scalar = as_scalar(value)
+                if scalar is None:
+                    self.value_not_recorded(key, value, "MLflow metrics are numbers")
+                    continue
+                metrics.append(Metric(self.metric_keys(key), float(scalar), now, step or 0))
         for chunk in _chunks(metrics, METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=chunk, **kwargs)
 
     def log_images(self, values: Mapping[str, Any], step: int | None, **kwargs: Any) -> None:
         for key, value in values.items():
             for image in value if isinstance(value, (list, tuple)) else [value]:
-                self.client.log_image(self.run_id, image, key=mlflow_key(key), step=step, **kwargs)
+                self.client.log_image(self.run_id, image, key=self.metric_keys(key), step=step, **kwargs)
 
     def log_table(self, table_name: str, columns: list[str] | None = None, data: list[list[Any]] | None = None,
                   dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:

@@ -69,6 +69,8 @@ class TensorBoardTracker(Tracker):
                 self.writer.add_text(key, value, global_step=step, **kwargs)
             elif hasattr(value, "shape"):
                 self.writer.add_histogram(key, value, global_step=step, **kwargs)
+            else:
+                self.value_not_recorded(key, value, "TensorBoard takes numbers, strings and tensors/arrays")
 
     def log_images(self, values: Mapping[str, Any], step: int | None, **kwargs: Any) -> None:
         single = len(str(kwargs.get("dataformats", "NCHW"))) == 3
