@@ -297,3 +297,18 @@ def test_mpirun_runs_exactly_the_printed_line_and_the_ranks_get_the_exact_string
         seen = json.loads((results / f"rank-{rank}.json").read_text())
         assert seen["argv"] == [str(script), *args] and seen["cwd"] == str(cwd), seen
     assert not list(tmp_path.rglob(MARKER))
+
+
+@pytest.mark.parametrize(("cluster", "argv", "named"), [
+    ("slurm", ["--log_dir", "logs\ntouch PWNED"], "--log_dir"),
+    ("mpi", ["--main_process_ip", "$(touch PWNED)"], "main_process_ip"),
+])
+def test_a_real_launch_refuses_before_handing_off_exit_2_and_records_why(workdir, capsys, cluster, argv, named):
+    assert main(["--cluster", cluster, *argv, "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err, err
+    log_dir = argv[1] if named == "--log_dir" else None
+    if log_dir is not None:
+        status = json.loads((workdir / log_dir / "run_status.json").read_text())
+        assert (status["state"], status["reason"], status["exit_code"]) == ("failed", "refused", 2), status
+    assert not list(workdir.rglob(MARKER))
