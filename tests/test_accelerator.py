@@ -393,6 +393,28 @@ def test_grad_scaler_kwargs_and_autocast_kwargs_reach_the_precision_plugin():
     assert precision.scaler.get_scale() == 256.0  # grew after growth_interval=1 good step
 
 
+def test_grad_scaler_kwargs_without_a_grad_scaler_say_they_have_no_effect():
+    """Under bf16 (and fp32) no GradScaler exists: GradScalerKwargs were accepted and ignored without a word."""
+    import warnings
+
+    from torchrig import GradScalerKwargs
+    from torchrig.errors import NoEffectWarning
+
+    for precision in ("bf16", "no"):
+        accelerator = Accelerator(cpu=True, mixed_precision=precision, kwargs_handlers=[GradScalerKwargs(init_scale=8.0)])
+        model = mlp()
+        with pytest.warns(NoEffectWarning, match=r"grad_scaler_kwargs \(argument Accelerator\(grad_scaler_kwargs=\.\.\.\)\) "
+                          rf"has no effect: no GradScaler scales the loss in this run \(mixed_precision {precision!r}"):
+            accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    for kwargs in ({"mixed_precision": "fp16", "kwargs_handlers": [GradScalerKwargs(init_scale=8.0)]},
+                   {"mixed_precision": "bf16"}):  # a scaler that uses them, or nothing set: no warning
+        accelerator = Accelerator(cpu=True, **kwargs)
+        model = mlp()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NoEffectWarning)
+            accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 def test_scheduler_stepped_on_every_call_when_asked():
     from torchrig import GradientAccumulationPlugin

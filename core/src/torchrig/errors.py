@@ -24,6 +24,11 @@ class ConfigError(TorchrigError, ValueError):
         super().__init__(message)
 
 
+class NoEffectWarning(UserWarning):
+    """An option was set that nothing in this run uses (a GradScaler's options without a GradScaler):
+    said rather than ignored, since refusing it would break scripts that set it for every precision."""
+
+
 class PluginError(TorchrigError):
     """A plugin cannot be found, loaded or used."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -16,11 +17,12 @@ from typing import Any
 from torchrig.config.resolve import Layer, resolve_config
 from torchrig.defaults import process as process_defaults
 from torchrig.enums import DistributedType
+from torchrig.errors import NoEffectWarning
 from torchrig.kinds import PluginKind
 from torchrig.plugin_host import PluginHost, PluginStatus
 from torchrig.process_group import adopt_existing_group, record_group, release_groups_at_exit
 from torchrig.run import RunContext
-from torchrig.step_plan import StepPlan, StepPlanBuilder
+from torchrig.step_plan import StepPlan, StepPlanBuilder, unused_grad_scaler_options
 from torchrig.types import ClusterInfo
 
 #: Configuration keys that select plugins, and their defaults.
@@ -225,6 +227,9 @@ def build_step_plan(host: PluginHost, run: RunContext) -> StepPlan:
             builder.current_owner = plugin_name
             call()
     builder.current_owner = None
+    unused = unused_grad_scaler_options(run, builder)
+    if unused:
+        warnings.warn(unused, NoEffectWarning, stacklevel=2)
     return builder.build()
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from torchrig.config.options import AutocastKwargs, GradScalerKwargs
+from torchrig.config.options import GRAD_SCALER_SECTION, AutocastKwargs, GradScalerKwargs
 from torchrig.run import RunContext
 
 #: Slot name -> what the callable must do. The signatures are part of the contract.
@@ -104,6 +104,8 @@ class StepPlanBuilder:
         #: Set by the plugin manager around each plugin's hook call, so owners are recorded
         #: without each plugin naming itself.
         self.current_owner: str | None = None
+        #: The GradScaler the plan steps through (:func:`install_loss_scaling`), if any.
+        self.loss_scaler: Any = None
 
     def get(self, slot: str) -> Callable[..., Any]:
         """The current callable of ``slot`` (to wrap it)."""
@@ -179,7 +181,24 @@ def install_loss_scaling(plan: StepPlanBuilder, scaler: Any) -> None:
     plan.set("backward", backward)
     plan.set("unscale_gradients", unscale_gradients)
     plan.set("optimizer_step", optimizer_step)
+    plan.loss_scaler = scaler
+
+
+def unused_grad_scaler_options(run: RunContext, plan: StepPlanBuilder) -> str | None:
+    """Why the ``grad_scaler_kwargs`` a source set do nothing in this plan (no GradScaler: bf16,
+    fp32, a strategy that scales the loss its own way), or None when they are used or unset."""
+    if plan.loss_scaler is not None or run.config is None:
+        return None
+    keys = [f"{GRAD_SCALER_SECTION}.{field.name}" for field in attrs.fields(GradScalerKwargs)]
+    given = [key for key in keys if run.config.is_set(key)]
+    if not given:
+        return None
+    source = run.config.sources[given[0]]
+    precision = run.config.get("mixed_precision")
+    return (f"{GRAD_SCALER_SECTION} ({source}) has no effect: no GradScaler scales the loss in this run "
+            f"(mixed_precision {precision!r}; torch's GradScaler runs under fp16 only, and a strategy that owns "
+            "precision configures its own loss scaling); remove it, or train in fp16")
 
 
 __all__ = ["SLOTS", "StepPlan", "StepPlanBuilder", "default_slots", "grad_scaler_kwargs", "install_autocast",
-           "install_loss_scaling"]
+           "install_loss_scaling", "unused_grad_scaler_options"]

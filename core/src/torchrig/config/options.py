@@ -142,6 +142,10 @@ class AutocastKwargs(KwargsHandler):
     cache_enabled: bool | None = option(None, help="autocast weight cache")
 
 
+#: The configuration section of :class:`GradScalerKwargs`.
+GRAD_SCALER_SECTION = "grad_scaler_kwargs"
+
+
 @attrs.frozen(kw_only=True)
 class GradScalerKwargs(KwargsHandler):
     init_scale: float = option(65536.0, help="initial loss scale", validator=at_least(0))
@@ -408,7 +412,7 @@ CORE_SECTIONS: tuple[ConfigSection, ...] = (
     ConfigSection("project_config", ProjectConfiguration, help="ProjectConfiguration"),
     ConfigSection("gradient_accumulation_plugin", GradientAccumulationPlugin, help="GradientAccumulationPlugin"),
     ConfigSection("autocast_kwargs", AutocastKwargs, help="AutocastKwargs"),
-    ConfigSection("grad_scaler_kwargs", GradScalerKwargs, help="GradScalerKwargs"),
+    ConfigSection(GRAD_SCALER_SECTION, GradScalerKwargs, help="GradScalerKwargs"),
     ConfigSection("init_process_group_kwargs", InitProcessGroupKwargs, help="InitProcessGroupKwargs"),
     ConfigSection("profile_kwargs", ProfileKwargs, help="ProfileKwargs (accelerator.profile())"),
     ConfigSection("preemption", PreemptionConfig, help="PreemptionConfig (torchrig: checkpoint and stop on a signal)"),
