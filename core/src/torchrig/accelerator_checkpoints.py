@@ -72,14 +72,16 @@ class CheckpointCalls:
                                       hashes=hashes)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, *, allow_config_change: bool = False,
-                   allow_world_size_change: bool = False, verify_hashes: bool = False, allow_pickle: bool = False,
+                   allow_world_size_change: bool = False, verify_hashes: bool | None = None, allow_pickle: bool = False,
                    skip_damaged: bool = False, **_accelerate: Any) -> str:
         """Load a committed checkpoint — by default the project's newest — into everything
         prepared and registered; returns its directory. Never starts fresh silently: no
         checkpoint, a damaged one, or a changed configuration or world size is an error.
         ``skip_damaged`` resumes from the newest intact checkpoint past damaged newer ones;
-        ``allow_pickle`` unpickles files the safe loader refuses — it can run code from the
-        checkpoint, so only for checkpoints you trust (docs/checkpoints.md, trust model)."""
+        ``verify_hashes`` (default: whenever the checkpoint recorded hashes) checks every file's
+        sha256 before anything is loaded; ``allow_pickle`` unpickles files the safe loader refuses —
+        it can run code from the checkpoint, so only for checkpoints you trust (docs/checkpoints.md,
+        trust model)."""
         if _accelerate:  # Accelerate's load_model_func_kwargs go to its own model loader
             raise TypeError(f"load_state(): unsupported arguments {sorted(_accelerate)}")
         return self._checkpoints.load(input_dir, allow_config_change=allow_config_change,

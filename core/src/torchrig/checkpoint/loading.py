@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from torchrig.checkpoint import layout, topology
+from torchrig.checkpoint import layout, safetensors_header, topology
 from torchrig.checkpoint.files import CheckpointError, describe
 from torchrig.checkpoint.state import FINGERPRINT_SECTIONS, comparable_data_order, diff, reseed_rng, restore_rng
 from torchrig.checkpoint.state_dicts import load_structured
@@ -50,7 +50,9 @@ class ManagerView(Protocol):
 
 
 def load(manager: ManagerView, input_dir: str | os.PathLike[str] | None, *, allow_config_change: bool,
-         allow_world_size_change: bool, verify_hashes: bool, allow_pickle: bool, skip_damaged: bool) -> str:
+         allow_world_size_change: bool, verify_hashes: bool | None, allow_pickle: bool, skip_damaged: bool) -> str:
+    """``verify_hashes=None``: verify the hashes a checkpoint recorded (one saved with hashes is
+    always checked end to end; one saved without is checked by sizes); True: require them."""
     rank = manager.ledger.run.cluster.rank
     collectives = manager._collectives()
     found: dict[str, Any] = {}
@@ -58,7 +60,9 @@ def load(manager: ManagerView, input_dir: str | os.PathLike[str] | None, *, allo
         try:
             directory = resolve(manager, input_dir, skip_damaged)
             manifest = layout.load_manifest(directory)
-            layout.verify(directory, manifest, hashes=verify_hashes)
+            hashes = bool(manifest.get("hashes")) if verify_hashes is None else verify_hashes
+            layout.verify(directory, manifest, hashes=hashes)
+            _check_safetensors_headers(directory, manifest)
             check_compatible(manager, directory, manifest, allow_config_change, allow_world_size_change)
             found = {"directory": directory}
             before, now = topology.saved(manifest), topology.current(manager.ledger.run)
@@ -90,6 +94,15 @@ def load(manager: ManagerView, input_dir: str | os.PathLike[str] | None, *, allo
     if rank == 0:
         layout.remove_leftovers(os.path.dirname(directory))
     return directory
+
+
+def _check_safetensors_headers(directory: str, manifest: Mapping[str, Any]) -> None:
+    """Every listed safetensors file's header, by the library's rules, before any rank restores
+    anything: a damaged header is refused with the live state untouched, not found half-way
+    (after the model loaded, at the optimizer). Headers only: a few KB per file."""
+    for entry in manifest["files"]:
+        if entry["path"].endswith(".safetensors"):
+            safetensors_header.check_file(os.path.join(directory, entry["path"]))
 
 
 def resolve(manager: ManagerView, input_dir: str | os.PathLike[str] | None, skip_damaged: bool) -> str:

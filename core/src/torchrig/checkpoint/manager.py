@@ -423,7 +423,7 @@ class CheckpointManager:
     # -- load -----------------------------------------------------------------------------
 
     def load(self, input_dir: str | os.PathLike[str] | None = None, *, allow_config_change: bool = False,
-             allow_world_size_change: bool = False, verify_hashes: bool = False, allow_pickle: bool = False,
+             allow_world_size_change: bool = False, verify_hashes: bool | None = None, allow_pickle: bool = False,
              skip_damaged: bool = False) -> str:
         """Load a committed checkpoint (default: the project's latest); returns its directory
         (see :mod:`torchrig.checkpoint.loading`)."""
