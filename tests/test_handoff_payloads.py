@@ -312,3 +312,15 @@ def test_a_real_launch_refuses_before_handing_off_exit_2_and_records_why(workdir
         status = json.loads((workdir / log_dir / "run_status.json").read_text())
         assert (status["state"], status["reason"], status["exit_code"]) == ("failed", "refused", 2), status
     assert not list(workdir.rglob(MARKER))
+
+
+def test_an_unbalanced_quote_in_a_string_of_options_names_the_key(workdir, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHRIG_SLURM__SRUN_ARGS", "--comment='a")
+    err = refused(capsys, "--cluster", "slurm", "--dry-run", "train.py")
+    assert "slurm.srun_args (environment TORCHRIG_SLURM__SRUN_ARGS)" in err and "No closing quotation" in err, err
+
+
+def test_hosts_without_enough_slots_name_mpi_hosts(workdir, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHRIG_MPI__HOSTS", "a:1,b:1")
+    err = refused(capsys, "--cluster", "mpi", "--num_processes", "3", "--dry-run", "train.py")
+    assert "mpi.hosts ['a:1', 'b:1'] cannot hold num_processes 3" in err, err

@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from torchrig.config.schema import at_least, between, option
+from torchrig.config.schema import CoercionError, at_least, between, option
 from torchrig.types import LaunchPlan
 
 PROG = "torchrig launch"
@@ -103,8 +103,14 @@ def _option_entries(*, refused: Mapping[str, str] | None = None) -> Any:
 
 
 def _as_list(value: Any) -> Any:
-    """``"--mem=8G --qos=high"`` (a flag or variable) means two options."""
-    return shlex.split(value) if isinstance(value, str) else value
+    """``"--mem=8G --qos=high"`` (a flag or variable) means two options, split as a shell would."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return shlex.split(value)
+    except ValueError as exc:  # "No closing quotation"
+        raise CoercionError(f"expected options as a list, or one string split as a shell splits it; {value!r} "
+                            f"cannot be split: {exc}") from None
 
 
 def _host_list(value: Any) -> Any:
@@ -460,8 +466,15 @@ def mpirun_line(plan: LaunchPlan, *, port: int | None = None) -> list[str]:
     endpoint_port = int(plan.rdzv_endpoint.rpartition(":")[2] or 0)
     master_port = port or endpoint_port or _free_port()
     forwarded = [arg for key in sorted(plan.env) for arg in ("-x", key)]
-    return mpirun_command(plan.nproc_per_node * plan.num_nodes, plan.script_command, hosts=hosts or None,
-                          master_addr=addr, master_port=master_port, extra=[*forwarded, *options.mpirun_args])
+    nproc = plan.nproc_per_node * plan.num_nodes
+    if hosts:
+        try:
+            _host_slots(hosts, nproc)
+        except ValueError as exc:
+            raise HandoffRefused(f"mpi.hosts {hosts!r} cannot hold num_processes {nproc}: "
+                                 f"{str(exc).removeprefix('mpirun_command: ')}") from None
+    return mpirun_command(nproc, plan.script_command, hosts=hosts or None, master_addr=addr, master_port=master_port,
+                          extra=[*forwarded, *options.mpirun_args])
 
 
 def describe_mpi(plan: LaunchPlan) -> str:
