@@ -21,6 +21,7 @@ from torchrig import Accelerator, ConfigError, Tracker, run_status
 from torchrig.tracker import flatten
 from torchrig_trackers.files import CSVTracker, JSONLTracker
 from torchrig_trackers.mlflow_tracker import MLflowTracker
+from torchrig_trackers.tensorboard_tracker import TensorBoardTracker
 
 STEPS = 25
 
@@ -87,6 +88,21 @@ class SlowJSONL(JSONLTracker):
     """The jsonl tracker taking ``delay`` seconds per event (and per call: it cannot batch)."""
 
     name = "slow_jsonl"
+    wait_timeout = 0.5
+
+    def __init__(self, *args, delay: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay = delay
+
+    def log(self, values, step, **kwargs):
+        time.sleep(self.delay)
+        super().log(values, step, **kwargs)
+
+
+class SlowTensorBoard(TensorBoardTracker):
+    """The TensorBoard tracker taking ``delay`` seconds per event."""
+
+    name = "slow_tensorboard"
     wait_timeout = 0.5
 
     def __init__(self, *args, delay: float, **kwargs) -> None:
@@ -172,6 +188,22 @@ def test_a_slow_tracker_that_cannot_batch_is_waited_for_while_it_makes_progress(
     assert (report["state"], report["dropped"]) == ("finished", 0), report
     lines = [json.loads(line) for line in (project / "demo" / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in lines if e["event"] == "log"] == list(range(20))
+
+
+def test_a_slow_tensorboard_writer_records_every_event_read_back_by_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    project = tmp_path / "project"
+    accelerator = accelerator_for(tmp_path, [SlowTensorBoard("demo", str(project), delay=0.1)])
+    accelerator.init_trackers("demo")
+    for step in range(STEPS):
+        accelerator.log({"loss": torch.tensor(1.0 / (step + 1))}, step=step)
+    report = accelerator.end_training()["slow_tensorboard"]
+    assert (report["state"], report["delivered"], report["dropped"]) == ("finished", STEPS + 1, 0), report
+    events = EventAccumulator(str(project / "demo"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("loss")] == [
+        (s, round(1.0 / (s + 1), 6)) for s in range(STEPS)]
 
 
 # --------------------------------------------------------------------------------------------
