@@ -93,3 +93,11 @@ def test_a_manifest_path_with_a_nul_byte_is_a_checkpoint_error_naming_the_entry(
     with pytest.raises(CheckpointError, match=r"torchrig_checkpoint\.json.*files\[0\]\.path.*NUL"):
         accelerator.load_state(str(directory))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_save_model_refuses_a_tensor_named_metadata_before_writing_anything(tmp_path):
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(WithReservedName())
+    with pytest.raises(CheckpointError, match=r"'__metadata__'.*safe_serialization=False"):
+        accelerator.save_model(model, tmp_path / "export")
+    assert not (tmp_path / "export").exists()

@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from torchrig.checkpoint.files import CheckpointError, describe_os_error, fsync_path
+from torchrig.checkpoint.files import SAFETENSORS_METADATA_KEY, CheckpointError, describe_os_error, fsync_path
 from torchrig.checkpoint.state_dicts import ALIASES_KEY, split_aliases
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
@@ -75,6 +75,11 @@ def save_weights(state: Mapping[str, Any], directory: str, max_shard_size: int |
     import torch
 
     limit = parse_size(max_shard_size)
+    if safe_serialization and SAFETENSORS_METADATA_KEY in state:
+        raise CheckpointError(f"cannot save the weights into {directory}: the state has a tensor named "
+                              f"{SAFETENSORS_METADATA_KEY!r}, the key the safetensors format reserves for a file's "
+                              "metadata (such a file cannot be loaded back); rename that parameter or buffer, or pass "
+                              "safe_serialization=False")
     os.makedirs(directory, exist_ok=True)
     tensors = {name: value.detach().to("cpu").contiguous() for name, value in state.items()}
     aliases: dict[str, str] = {}
