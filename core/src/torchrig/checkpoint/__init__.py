@@ -10,6 +10,8 @@
 * :mod:`~torchrig.checkpoint.state_dicts` — plain state dicts and registered objects on disk
   (safetensors + a JSON skeleton, no pickle);
 * :mod:`~torchrig.checkpoint.plain` — reading that plain state, for strategies that distribute it;
+* :mod:`~torchrig.checkpoint.safetensors_header` — a safetensors header checked by the library's rules;
+* :mod:`~torchrig.checkpoint.direct_read` — safetensors read straight into live tensors;
 * :mod:`~torchrig.checkpoint.topology` — the layout (mesh) a checkpoint was saved under;
 * :mod:`~torchrig.checkpoint.ledger` — what a run checkpoints (appended to by the Accelerator);
 * :mod:`~torchrig.checkpoint.manager` — ``save_state`` (sync and async);
