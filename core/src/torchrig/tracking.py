@@ -72,6 +72,10 @@ def _snapshot(value: Any) -> Any:
     return value
 
 
+#: The largest step: TensorBoard, MLflow and W&B store steps as int64 (MLflow fails the whole batch).
+MAX_STEP = 2**63 - 1
+
+
 def _resolve_step(step: Any, last: int) -> int:
     if step is None:
         return last + 1
@@ -83,6 +87,8 @@ def _resolve_step(step: Any, last: int) -> int:
         raise TypeError(f"step must be an integer >= 0 or None, got {type(step).__name__} {step!r}") from None
     if value < 0:
         raise ValueError(f"step must be >= 0, got {value}")
+    if value > MAX_STEP:
+        raise ValueError(f"step must be <= 2**63-1 (the int64 the trackers store), got {value}")
     return value
 
 

@@ -186,6 +186,8 @@ def test_steps_must_be_non_negative_integers_on_every_rank(tmp_path):
         accelerator.log({"loss": 1.0}, step=1.5)
     with pytest.raises(TypeError, match="step must be an integer"):
         accelerator.log({"loss": 1.0}, step=True)
+    with pytest.raises(ValueError, match=r"step must be <= 2\*\*63-1 \(the int64 the trackers store\), got 9223372036854775808"):
+        accelerator.log({"loss": 1.0}, step=2**63)  # MLflow would fail the whole batch it travels in
     with pytest.raises(TypeError, match="expected a mapping"):
         accelerator.log([("loss", 1.0)])
     accelerator.log({"loss": 1.0}, step=np.int64(3))
