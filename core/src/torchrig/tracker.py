@@ -58,7 +58,8 @@ class Tracker:
     #: events for this tracker, counted as ``rejected_steps``, instead of sending them.
     monotonic_steps: bool = False
     #: Events that may wait for this tracker; beyond, new events are dropped (``queue_full``).
-    queue_size: int = 1000
+    #: Room for a fast loop logging every step while the tracker connects (a few MB of scalars).
+    queue_size: int = 10_000
     #: Seconds without progress after which the core gives up on this tracker: ``end_training``
     #: waits while calls keep returning and abandons the tracker only when none has returned for
     #: this long (stuck, not slow); ``get_tracker(name, unwrap=True)`` waits this long for ``start``.

@@ -206,6 +206,36 @@ def test_a_slow_tensorboard_writer_records_every_event_read_back_by_tensorboard(
         (s, round(1.0 / (s + 1), 6)) for s in range(STEPS)]
 
 
+class SlowToStart(Tracker):
+    """A tracker whose ``start`` waits for ``gate``, like an MLflow store creating its schema."""
+
+    name = "slow_to_start"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.steps: list[int] = []
+
+    def start(self):
+        self.gate.wait(120)
+
+    def log(self, values, step, **kwargs):
+        self.steps.append(step)
+
+
+def test_a_tracker_slow_to_start_misses_none_of_the_first_thousands_of_steps(tmp_path):
+    slow = SlowToStart()
+    accelerator = accelerator_for(tmp_path, [slow])
+    accelerator.init_trackers("demo")
+    try:
+        for step in range(5000):  # a fast loop logging every step while the tracker connects
+            accelerator.log({"loss": 1.0}, step=step)
+    finally:
+        slow.gate.set()
+    report = accelerator.end_training()["slow_to_start"]
+    assert (report["delivered"], report["dropped"]) == (5001, 0), report
+    assert slow.steps == list(range(5000))
+
+
 # --------------------------------------------------------------------------------------------
 # stuck: cut off after its deadline, the loss counted with its steps and said
 
