@@ -387,3 +387,11 @@ def test_every_accelerate_key_is_supported_accepted_or_rejected_never_dropped(ho
         path.write_text(yaml.safe_dump({entry.key: "something"}))
         text = "\n".join(problems_of(host, config_file=str(path)))
         assert entry.key in text and entry.note in text
+
+
+def test_gpu_ids_with_use_cpu_are_refused_naming_both(host):
+    """`--cpu --gpu_ids 0` was accepted silently: the GPUs listed are never used on the CPU."""
+    flags = {"use_cpu": ("true", "--cpu"), "gpu_ids": ("0", "--gpu_ids")}
+    with pytest.raises(ConfigError, match=r"gpu_ids \(flag --gpu_ids\): '0' has no effect with use_cpu: true"):
+        resolve(host, flags=flags)
+    assert resolve(host, flags={"use_cpu": ("true", "--cpu"), "gpu_ids": ("all", "--gpu_ids")})["use_cpu"] is True

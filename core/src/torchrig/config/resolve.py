@@ -509,6 +509,9 @@ def _cross_checks(values: Mapping[str, Any], winners: Mapping[str, Entry], probl
             f"({winners['gradient_accumulation_plugin.num_steps'].source}); set one of them"), where("gradient_accumulation_steps")))
     if values.get("use_cpu") and values.get("device") not in (None, "cpu"):
         problems.append(Problem("device", f"{values['device']!r} contradicts use_cpu: true", where("device")))
+    if values.get("use_cpu") and values.get("gpu_ids") not in (None, "all"):  # 'all': what Accelerate's files say
+        problems.append(Problem("gpu_ids", f"{values['gpu_ids']!r} has no effect with use_cpu: true (no GPU is used); "
+                                "remove gpu_ids, or use_cpu to train on those GPUs", where("gpu_ids")))
 
 
 def _declared_axes(schema: Schema) -> dict[str, tuple[str, ...]]:
