@@ -167,3 +167,18 @@ def test_override_warning_is_a_python_warning(tmp_path, monkeypatch, isolated_en
     assert accelerator.gradient_accumulation_steps == 8
     with pytest.raises(ConfigError, match="strict_config is on"):
         Accelerator(cpu=True, gradient_accumulation_steps=2, strict_config=True)
+
+
+def test_a_forced_device_that_is_not_there_is_an_error_naming_it(monkeypatch, isolated_env):
+    """TORCHRIG_DEVICE=cuda (or --device cuda) without CUDA trained on the CPU, exit 0, nothing said."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the forced device is there")
+    monkeypatch.setenv("TORCHRIG_CONFIG_HOME", isolated_env["TORCHRIG_CONFIG_HOME"])
+    monkeypatch.setenv("TORCHRIG_DEVICE", "cuda")
+    with pytest.raises(ConfigError, match=r"device \(environment TORCHRIG_DEVICE\): 'cuda' was asked for, but the "
+                                          r"device plugin 'cuda' found no such device on this machine"):
+        Accelerator()
+    monkeypatch.setenv("TORCHRIG_DEVICE", "cpu")
+    assert Accelerator().device.type == "cpu"

@@ -13,6 +13,7 @@ import datetime
 from typing import Any
 
 from torchrig.config.options import InitProcessGroupKwargs
+from torchrig.errors import ConfigError
 from torchrig.markers import hookimpl
 from torchrig.plugin_host import PluginHost
 from torchrig.run import RunContext
@@ -38,6 +39,13 @@ class ProcessDefaults:
 
     @hookimpl(trylast=True)
     def torchrig_select_device(self, run: RunContext) -> Any:
+        """The CPU, when no device plugin answered — unless a device was forced (``device``): its
+        plugin declining means the device is not on this machine, which must not become a CPU run."""
+        forced = run.config.get("device") if run.config is not None else None
+        if forced:
+            raise ConfigError([f"device ({run.config.sources['device']}): {forced!r} was asked for, but the device "
+                               f"plugin {forced!r} found no such device on this machine; remove the setting to pick "
+                               "the device automatically, or use_cpu (--cpu) to train on the CPU"])
         from torchrig.builtins.devices import CPUBackend  # torch: see the module docstring
 
         return CPUBackend()
