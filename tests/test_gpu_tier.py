@@ -187,3 +187,12 @@ def test_inductor_compiles_the_model_into_gpu_kernels_and_the_compiled_code_runs
     kernels = [event.key for event in profile.key_averages()]
     assert any(name.startswith("triton_") for name in kernels), kernels  # inductor's generated kernels ran
     torch._dynamo.reset()
+
+
+def test_a_forced_cuda_device_is_the_one_used(monkeypatch):
+    """The other side of the CPU test that refuses a forced device that is absent: here it is present."""
+    monkeypatch.setenv("TORCHRIG_DEVICE", "cuda")
+    accelerator = Accelerator()
+    assert accelerator.device.type == "cuda"
+    model = accelerator.prepare(mlp())
+    assert next(model.parameters()).is_cuda
