@@ -25,27 +25,34 @@ def _cell(text: str) -> str:
 
 def generated_section() -> str:
     counts = {"implemented": 0, "plugin": 0, "refused": 0}
+    per_module: dict[str, dict[str, int]] = {}
     refusals: dict[Refused, list[str]] = defaultdict(list)
     provided: dict[str, list[str]] = defaultdict(list)
     for module, names in TABLE.items():
         if module.startswith("accelerate.utils.") and all(TABLE["accelerate.utils"].get(n) == t for n, t in names.items()):
             continue  # a mirrored utils submodule repeats accelerate.utils' entries
+        row = per_module[module] = {"implemented": 0, "plugin": 0, "refused": 0}
         for name, target in sorted(names.items()):
             path = f"`{torchrig_path(module)}.{name}`"
             if isinstance(target, Refused):
-                counts["refused"] += 1
+                kind = "refused"
                 refusals[target].append(path)
             elif isinstance(target, FromPlugin):
-                counts["plugin"] += 1
+                kind = "plugin"
                 fallback = f" (without one: `{target.fallback}`)" if target.fallback else ""
                 provided[f"{_cell(target.provided_by)}{fallback}"].append(path)
             else:
-                counts["implemented"] += 1
+                kind = "implemented"
+            counts[kind] += 1
+            row[kind] += 1
     lines = [BEGIN, "",
-             (f"Generated from `torchrig.compat.accelerate_names` (Accelerate {ACCELERATE_SOURCE}) by "
-              "`python docs/gen_accelerate_reference.py`: "
-              f"{counts['implemented']} names implemented by torchrig, {counts['plugin']} provided by plugins, "
+             (f"Generated from `torchrig.compat.accelerate_names` (the names of {ACCELERATE_SOURCE}) by "
+              f"`python docs/gen_accelerate_reference.py`: {sum(counts.values())} names in {len(per_module)} module "
+              f"paths, {counts['implemented']} implemented by torchrig, {counts['plugin']} provided by plugins, "
               f"{counts['refused']} refused."), "",
+             "| module | names | implemented | from a plugin | refused |", "|---|---|---|---|---|",
+             *(f"| `{torchrig_path(module)}` | {sum(row.values())} | {row['implemented']} | {row['plugin']} | "
+               f"{row['refused']} |" for module, row in per_module.items()), "",
              "### Names a plugin provides", "",
              ("Resolved from the installed plugins' manifests (`exports`); when none provides one, importing it "
               "raises `RefusedNameError` naming what does."), "",

@@ -12,6 +12,8 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any, Self
 
+from torchrig.compat.resolve import module_attributes
+
 
 class LocalSGD:
     """``with LocalSGD(accelerator=..., model=..., local_sgd_steps=K) as local_sgd:`` ... ``local_sgd.step()``.
@@ -68,3 +70,6 @@ class LocalSGD:
 
 
 __all__ = ["LocalSGD"]
+
+# Accelerate's other names at this path (Accelerator, DistributedType): the declared table.
+__getattr__, __dir__ = module_attributes(__name__, globals())

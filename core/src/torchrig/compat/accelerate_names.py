@@ -1,13 +1,18 @@
 """The declared table: every public name of Accelerate's modules, and what torchrig does with it.
 
-Generated from Accelerate's own ``__init__``/``__all__`` files and module definitions at
-huggingface/accelerate@16cb6eb8 (1.15.0.dev0) — ``tests/data/gen_accelerate_names.py`` lists them again from
-an Accelerate source tree and ``tests/test_accelerate_names.py`` checks that this table has
-exactly those names, that every implemented one resolves and that every refusal says why.
+Generated from Accelerate 1.15.0 itself (the released wheel): ``tests/data/gen_accelerate_names.py``
+imports each module (``accelerate``, ``accelerate.utils`` and the ten mirrored modules ``state``,
+``launchers``, ``data_loader``, ``optimizer``, ``scheduler``, ``tracking``, ``checkpointing``,
+``local_sgd``, ``logging``, ``big_modeling``) and lists every name its ``dir()`` shows — names it
+imports from elsewhere too, since scripts import them from there — leaving out private names, modules
+and standard-library plumbing (the rule is written in the generator). ``tests/test_accelerate_names.py``
+checks that this table has exactly those names; ``tests/test_accelerate_namespaces.py`` that every
+mirrored module answers each of them.
 
 Keys are Accelerate's module paths; under ``torchrig`` the same path answers
 (``accelerate.utils.operations`` → ``torchrig.utils.operations``). Values (see
-:mod:`torchrig.compat.targets`): ``"module:attribute"`` (torchrig's object), :class:`FromPlugin`
+:mod:`torchrig.compat.targets`): ``"module:attribute"`` (torchrig's object, or torch's or safetensors'
+own where Accelerate re-exports one), :class:`FromPlugin`
 (a plugin's export) or :class:`Refused` (why not, and what to use). Torch-free: plain data.
 """
 
@@ -16,7 +21,7 @@ from __future__ import annotations
 from torchrig.compat.targets import FromPlugin, Refused, Target
 
 #: The Accelerate release the table was generated from.
-ACCELERATE_SOURCE = "huggingface/accelerate@16cb6eb80dd9aa8b4df1a63ef57863e455d53b83 (1.15.0.dev0)"
+ACCELERATE_SOURCE = "accelerate 1.15.0 (the released wheel)"
 
 # -- refusals shared by families of names ---------------------------------------------------------
 
@@ -233,6 +238,7 @@ UTILS_OTHER: dict[str, Target] = {
     "extract_model_from_parallel": "torchrig.utils.modeling:extract_model_from_parallel",
     "get_module_children_bottom_up": "torchrig.utils.modeling:get_module_children_bottom_up",
     "model_has_dtensor": "torchrig.utils.modeling:model_has_dtensor",
+    "get_model_tp_size": "torchrig.utils.modeling:get_model_tp_size",
     "recursive_getattr": "torchrig.utils.modeling:recursive_getattr",
     "compile_regions": "torchrig.compile:compile_regions",
     "has_compiled_regions": "torchrig.compile:has_compiled_regions",
@@ -314,7 +320,6 @@ TOP_LEVEL: dict[str, Target] = {
     "infer_auto_device_map": BIG_MODEL_INFERENCE,
     "prepare_pippy": Refused("pipeline-parallel inference (PiPPy) is not part of torchrig",
                              "torch.distributed.pipelining directly"),
-    "rich": Refused("Accelerate installs rich tracebacks when rich is present", "rich.traceback.install()"),
 }
 TOP_LEVEL.update({name: UTILS[name] for name in (
     "ParallelismConfig", "AutocastKwargs", "DataLoaderConfiguration", "DDPCommunicationHookType", "DeepSpeedPlugin",
@@ -322,39 +327,75 @@ TOP_LEVEL.update({name: UTILS[name] for name in (
     "InitProcessGroupKwargs", "ProfileKwargs", "find_executable_batch_size", "is_rich_available",
     "synchronize_rng_states")})
 
+def _same_as(home: dict[str, Target], *names: str) -> dict[str, Target]:
+    """Names a module imports from another of Accelerate's modules (``from accelerate.state import
+    DistributedType``): the same target as at their home path."""
+    return {name: home[name] for name in names}
+
+
+STATE_INTERNAL = Refused("an internal part of Accelerate's process-wide singletons (for XLA)",
+                         "torchrig.state.PartialState(), which views the process's run")
+LAYERWISE_CASTING = Refused("layerwise storage-dtype casting hooks (diffusers inference) are not part of torchrig",
+                            "diffusers' enable_layerwise_casting()")
+
 STATE: dict[str, Target] = {
     "PartialState": "torchrig.process:PartialState",
     "AcceleratorState": "torchrig.process:AcceleratorState",
     "GradientState": "torchrig.gradient_state:GradientState",
     "is_initialized": "torchrig.process:is_initialized",
     "do_nothing": "torchrig.process:do_nothing",
-    "ThreadLocalSharedDict": Refused("an internal part of Accelerate's process-wide singletons (for XLA)",
-                                     "torchrig.state.PartialState(), which views the process's run"),
+    "ThreadLocalSharedDict": STATE_INTERNAL,
+    "SharedDict": STATE_INTERNAL,
+    **_same_as(UTILS, "DistributedType", "DynamoBackend", "GradientAccumulationPlugin", "SageMakerDistributedType",
+               "check_cuda_fp8_capability", "check_cuda_p2p_ib_support", "deepspeed_required",
+               "get_cpu_distributed_information", "get_int_from_env", "is_datasets_available", "is_deepspeed_available",
+               "is_fp8_available", "is_habana_gaudi1", "is_hpu_available", "is_mlu_available", "is_mps_available",
+               "is_musa_available", "is_neuron_available", "is_npu_available", "is_sdaa_available",
+               "is_torch_xla_available", "is_xccl_available", "is_xpu_available", "parse_choice_from_env",
+               "parse_flag_from_env", "set_numa_affinity"),
 }
 
 LOGGING: dict[str, Target] = {
     "MultiProcessAdapter": "torchrig.logging:MultiProcessAdapter",
     "get_logger": "torchrig.logging:get_logger",
+    **_same_as(STATE, "PartialState"),
 }
 
-LOCAL_SGD: dict[str, Target] = {"LocalSGD": "torchrig.local_sgd:LocalSGD"}
+LOCAL_SGD: dict[str, Target] = {
+    "LocalSGD": "torchrig.local_sgd:LocalSGD",
+    **_same_as(TOP_LEVEL, "Accelerator"),
+    **_same_as(UTILS, "DistributedType"),
+}
 
 LAUNCHERS: dict[str, Target] = {
     "notebook_launcher": "torchrig.launch.notebook:notebook_launcher",
     "debug_launcher": "torchrig.launch.notebook:debug_launcher",
     "test_launch": "torchrig.launch.notebook:test_launch",
+    "ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION": Refused(
+        "the torch version from which Accelerate's notebook_launcher passes a log-line prefix to torch elastic",
+        "torchrig.notebook_launcher, which prefixes each rank's lines itself; torchrig.utils.is_torch_version "
+        "for a version check"),
+    **_same_as(STATE, "AcceleratorState", "PartialState"),
+    **_same_as(UTILS, "PrecisionType", "PrepareForLaunch", "are_libraries_initialized", "check_cuda_p2p_ib_support",
+               "get_current_device_type", "get_gpu_info", "is_mps_available", "is_rocm_available", "is_torch_version",
+               "patch_environment"),
 }
 
 BIG_MODELING: dict[str, Target] = {
     "init_empty_weights": "torchrig.meta_device:init_empty_weights",
     "init_on_device": "torchrig.meta_device:init_on_device",
-    "cpu_offload": BIG_MODEL_INFERENCE,
-    "cpu_offload_with_hook": BIG_MODEL_INFERENCE,
-    "disk_offload": BIG_MODEL_INFERENCE,
-    "dispatch_model": BIG_MODEL_INFERENCE,
-    "load_checkpoint_and_dispatch": BIG_MODEL_INFERENCE,
-    "attach_layerwise_casting_hooks": Refused("layerwise storage-dtype casting hooks (diffusers inference) are not "
-                                              "part of torchrig", "diffusers' enable_layerwise_casting()"),
+    "attach_layerwise_casting_hooks": LAYERWISE_CASTING,
+    "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING": LAYERWISE_CASTING,
+    **{name: BIG_MODEL_INFERENCE for name in (
+        "cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model", "load_checkpoint_and_dispatch",
+        # accelerate.hooks, imported by accelerate.big_modeling
+        "AlignDevicesHook", "CpuOffload", "LayerwiseCastingHook", "UserCpuOffloadHook", "add_hook_to_module",
+        "attach_align_device_hook", "attach_align_device_hook_on_blocks")},
+    **_same_as(UTILS, "OffloadedWeightsLoader", "check_cuda_p2p_ib_support", "check_device_map",
+               "extract_submodules_state_dict", "find_tied_parameters", "get_balanced_memory", "infer_auto_device_map",
+               "is_bnb_available", "is_mlu_available", "is_musa_available", "is_neuron_available", "is_npu_available",
+               "is_sdaa_available", "is_xpu_available", "load_checkpoint_in_model", "offload_state_dict",
+               "parse_flag_from_env", "recursive_getattr", "retie_parameters"),
 }
 
 DATA_LOADER: dict[str, Target] = {
@@ -379,6 +420,15 @@ DATA_LOADER: dict[str, Target] = {
                                  "(state_dict/load_state_dict)"),
     "SkipDataLoader": Refused("a DataLoader subclass Accelerate builds for skip_first_batches",
                               "torchrig.skip_first_batches(dataloader, num_batches)"),
+    "MpDeviceLoaderWrapper": XLA,
+    # torch's own classes, which accelerate.data_loader imports: the same objects
+    **{name: f"torch.utils.data:{name}" for name in ("BatchSampler", "DataLoader", "IterableDataset", "RandomSampler")},
+    **_same_as(STATE, "GradientState", "PartialState"),
+    **_same_as(LOGGING, "get_logger"),
+    **_same_as(UTILS, "DistributedType", "RNGType", "broadcast", "broadcast_object_list", "compare_versions",
+               "concatenate", "find_batch_size", "get_data_structure", "initialize_tensors", "is_datasets_available",
+               "is_torch_version", "is_torch_xla_available", "is_torchdata_stateful_dataloader_available",
+               "send_to_device", "slice_tensors", "synchronize_rng_states"),
 }
 
 OPTIMIZER: dict[str, Target] = {
@@ -386,34 +436,52 @@ OPTIMIZER: dict[str, Target] = {
     "move_to_device": "torchrig.optimizer:move_to_device",
     "patch_optimizer_step": Refused("an internal patch of Accelerate's optimizer wrapper to detect skipped steps",
                                     "accelerator.optimizer_step_was_skipped or AcceleratedOptimizer.step_was_skipped"),
+    **_same_as(STATE, "AcceleratorState", "GradientState"),
+    **_same_as(UTILS, "DistributedType", "honor_type", "is_lomo_available", "is_torch_xla_available"),
 }
 
-SCHEDULER: dict[str, Target] = {"AcceleratedScheduler": "torchrig.scheduler:OptimizerStepScheduler"}
+SCHEDULER: dict[str, Target] = {
+    "AcceleratedScheduler": "torchrig.scheduler:OptimizerStepScheduler",
+    **_same_as(STATE, "AcceleratorState", "GradientState"),
+}
 
 TRACKING: dict[str, Target] = {
     "GeneralTracker": "torchrig.tracking:Tracker",
     "on_main_process": "torchrig.tracker_helpers:on_main_process",
     "get_available_trackers": "torchrig.tracker_helpers:get_available_trackers",
-    "TensorBoardTracker": _tracker("TensorBoardTracker"),
-    "WandBTracker": _tracker("WandBTracker"),
-    "MLflowTracker": _tracker("MLflowTracker"),
-    "TrackioTracker": _tracker("TrackioTracker"),
-    "CometMLTracker": _tracker("CometMLTracker"),
-    "AimTracker": _tracker("AimTracker"),
-    "ClearMLTracker": _tracker("ClearMLTracker"),
-    "DVCLiveTracker": _tracker("DVCLiveTracker"),
-    "SwanLabTracker": _tracker("SwanLabTracker"),
+    **{name: _tracker(name) for name in (
+        "TensorBoardTracker", "WandBTracker", "MLflowTracker", "TrackioTracker", "CometMLTracker", "AimTracker",
+        "ClearMLTracker", "DVCLiveTracker", "SwanLabTracker")},
     "register_tracker_class": Refused(
         "torchrig finds trackers through plugins (entry points), not a process-wide registry",
         "pass an instance — Accelerator(log_with=[MyTracker(...)]) — or package it as a tracker plugin "
         "(`torchrig new-plugin NAME tracker`, docs/plugins.md)"),
+    "LOGGER_TYPE_TO_CLASS": Refused(
+        "Accelerate's process-wide map from LoggerType to tracker class; torchrig finds trackers through plugins",
+        "torchrig.tracking.get_available_trackers() for the usable log_with names, `torchrig plugins` for all"),
     "filter_trackers": Refused("an internal step of Accelerate's tracker selection",
                                "Accelerator(log_with=[...]): unknown or unavailable trackers fail there with the "
                                "plugin's name and install hint"),
+    **_same_as(STATE, "PartialState"),
+    **_same_as(LOGGING, "get_logger"),
+    **_same_as(UTILS, "LoggerType", "compare_versions", "is_aim_available", "is_clearml_available",
+               "is_comet_ml_available", "is_dvclive_available", "is_mlflow_available", "is_swanlab_available",
+               "is_tensorboard_available", "is_trackio_available", "is_wandb_available", "listify", "str_to_bool"),
 }
 
-CHECKPOINTING: dict[str, Target] = {name: CHECKPOINT_INTERNAL for name in (
-    "save_accelerator_state", "load_accelerator_state", "save_custom_state", "load_custom_state")}
+CHECKPOINTING: dict[str, Target] = {
+    **{name: CHECKPOINT_INTERNAL for name in (
+        "save_accelerator_state", "load_accelerator_state", "save_custom_state", "load_custom_state")},
+    # torch's and safetensors' own objects, which accelerate.checkpointing imports: the same objects
+    "GradScaler": "torch.amp:GradScaler",
+    "load_model": "safetensors.torch:load_model",
+    **_same_as(STATE, "PartialState"),
+    **_same_as(LOGGING, "get_logger"),
+    **_same_as(UTILS, "MODEL_NAME", "OPTIMIZER_NAME", "RNG_STATE_NAME", "SAFE_MODEL_NAME", "SAFE_WEIGHTS_NAME",
+               "SAMPLER_NAME", "SCALER_NAME", "SCHEDULER_NAME", "WEIGHTS_NAME", "get_pretty_name", "is_cuda_available",
+               "is_hpu_available", "is_mlu_available", "is_musa_available", "is_neuron_available", "is_sdaa_available",
+               "is_torch_version", "is_torch_xla_available", "is_xpu_available", "load", "save"),
+}
 
 #: ``accelerate.utils`` submodules mirrored as ``torchrig.utils.<name>`` (with the names
 #: ``accelerate.utils`` re-exports from them); the others hold only refused or plugin-provided names,

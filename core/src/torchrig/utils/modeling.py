@@ -366,6 +366,18 @@ def model_has_dtensor(model: torch.nn.Module) -> bool:
     return any(isinstance(param, DTensor) for param in model.parameters())
 
 
+def get_model_tp_size(model: torch.nn.Module) -> int | None:
+    """The tensor-parallel degree a transformers model was sharded with (``None`` when it was not):
+    transformers 4 records ``model.tp_size``, transformers 5 its ``config.distributed_config.tp_size``."""
+    tp_size = getattr(model, "tp_size", None)
+    if tp_size is not None:
+        return tp_size
+    distributed_config = getattr(getattr(model, "config", None), "distributed_config", None)
+    if isinstance(distributed_config, dict):
+        return distributed_config.get("tp_size")
+    return getattr(distributed_config, "tp_size", None)
+
+
 def _is_wrapper(model: torch.nn.Module) -> bool:
     """A distributed container around one user module (DDP, DataParallel, a DeepSpeed engine...):
     its one child is ``module``. Decided from the shape, never from which strategy made it."""
@@ -445,7 +457,8 @@ __all__ = [
     "align_module_device", "calculate_maximum_sizes", "check_tied_parameters_in_config",
     "clean_state_dict_for_safetensors", "compute_module_sizes", "convert_file_size_to_int", "dtype_byte_size",
     "extract_model_from_parallel", "find_tied_parameters", "get_grad_scaler", "get_max_layer_size",
-    "get_mixed_precision_context_manager", "get_module_children_bottom_up", "id_tensor_storage", "is_peft_model",
+    "get_mixed_precision_context_manager", "get_model_tp_size", "get_module_children_bottom_up", "id_tensor_storage",
+    "is_peft_model",
     "load_checkpoint_in_model", "load_state_dict", "model_has_dtensor", "named_module_tensors", "recursive_getattr",
     "retie_parameters", "set_module_tensor_to_device",
 ]
