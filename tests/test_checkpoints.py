@@ -285,9 +285,10 @@ def test_damaged_checkpoints_are_named_and_never_loaded(tmp_path):
     data = bytearray(weights_file.read_bytes())
     data[8 + int.from_bytes(data[:8], "little") + 3] ^= 0xFF  # a byte of tensor data, after the header
     weights_file.write_bytes(bytes(data))
-    accelerator.load_state(directory)  # sizes match: the default check is sizes only
-    with pytest.raises(CheckpointError, match="model.safetensors: sha256 differs"):
-        accelerator.load_state(directory, verify_hashes=True)
+    accelerator.load_state(directory, verify_hashes=False)  # sizes match: a check of sizes alone passes
+    for verify in (None, True):  # by default, the hashes a checkpoint recorded are verified
+        with pytest.raises(CheckpointError, match="model.safetensors: sha256 differs"):
+            accelerator.load_state(directory, verify_hashes=verify)
     weights_file.write_bytes(bytes(data[:100]))
     with pytest.raises(CheckpointError, match=r"damaged \(model.safetensors: 100 bytes on disk"):
         accelerator.load_state(directory)
