@@ -14,12 +14,22 @@ import functools
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torchrig.config.options import ParallelismConfig
 from torchrig.config.parallelism import infer_sizes, key_of
 from torchrig.errors import ConfigError
 from torchrig.run import RunContext
 
-from torchrig_fsdp import submeshes
+from torchrig_fsdp import hf_styles, submeshes, tp_styles
 
 #: Mesh axes the strategy builds, outermost first (docs/parallelism.md: why this order).
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -79,15 +89,8 @@ def tp_mesh(mesh: Any) -> Any:
 # -- tensor parallel ------------------------------------------------------------------------------
 
 
-def _styles(loss_parallel: bool) -> dict[str, Any]:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
+def torchrig_styles(loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """torchrig's own style names (docs/parallelism.md), the vocabulary of ``parallelism_config.tp_plan``."""
     out = Shard(-1) if loss_parallel else Replicate()
     return {
         "colwise": ColwiseParallel(),
@@ -120,36 +123,118 @@ def model_plan(model: torch.nn.Module) -> dict[str, Any] | None:
     return None
 
 
+def _matches_by_segment(name: str, pattern: str) -> bool:
+    """transformers' matching: ``*`` stands for one dotted segment (a layer number), never for several."""
+    names, patterns = name.split("."), pattern.split(".")
+    return len(names) == len(patterns) and all(map(fnmatch.fnmatchcase, names, patterns))
+
+
 def resolve_plan(model: torch.nn.Module, plan: dict[str, Any], loss_parallel: bool, where: str,
-                 require_match: bool = True) -> dict[str, Any]:
-    """Module-name globs -> ``{module name: ParallelStyle}``; every pattern must match a module
-    (unless ``require_match`` is False: a pipeline stage, the plan being checked on the whole model
-    first) and every style name must be known (errors name ``where`` and list what exists)."""
-    styles = _styles(loss_parallel)
-    names = [name for name, _ in model.named_modules() if name]
-    resolved: dict[str, Any] = {}
-    problems = []
+                 require_match: bool = True, own: bool = False) -> dict[str, Any]:
+    """Module- (or parameter-) name globs -> ``{module name: ParallelStyle}``.
+
+    ``plan`` is the user's ``tp_plan`` (torchrig's style names, ``fnmatch`` globs: every pattern must
+    match a module unless ``require_match`` is False — a pipeline stage, the plan being checked on the
+    whole model first) or, ``own``, the model's own (transformers' names too,
+    :data:`torchrig_fsdp.hf_styles.TRANSFORMERS_STYLES`; ``*`` is one segment; an entry for a module
+    variant this config does not build matches nothing and is skipped, as transformers skips it —
+    but some entry must match). An entry naming a parameter (transformers' expert weights) shards that
+    parameter; its module's own entry must run on local shards. Unknown and refused styles are errors
+    naming ``where``, the pattern, and what to do."""
+    styles = torchrig_styles(loss_parallel)
+    table = hf_styles.TRANSFORMERS_STYLES if own else {}
+    matches = _matches_by_segment if own else fnmatch.fnmatchcase
+    modules = dict(model.named_modules())
+    names = [name for name in modules if name]
+    parameter_names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    module_styles: dict[str, Any] = {}
+    parameter_rules: dict[str, dict[str, Any]] = {}
+    problems, matched_any = [], False
     for pattern, style in plan.items():
         if style is None:
             continue
-        if style not in styles:
-            problems.append(f"{where}: {pattern!r}: unknown style {style!r}; styles: {', '.join(styles)}")
+        entry = table.get(style)
+        if entry is not None and entry.refused:
+            problems.append(f"{where}: {pattern!r}: style {style!r} is refused: {entry.refused}")
             continue
-        matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
-        if not matched and require_match:
+        if entry is not None and entry.gathers_output and loss_parallel:
+            problems.append(f"parallelism_config.loss_parallel: {where}: {pattern!r} is {style!r}, which gathers the "
+                            "output whole; loss parallel needs it split: give parallelism_config.tp_plan with "
+                            f"{pattern!r}: 'output', or set loss_parallel false")
+            continue
+        if style not in styles and entry is None:
+            known = ", ".join(dict.fromkeys([*styles, *table]))
+            problems.append(f"{where}: {pattern!r}: unknown style {style!r}; styles: {known}")
+            continue
+        matched = [name for name in names if matches(name, pattern)]
+        params = [name for name in parameter_names if matches(name, pattern)] if own else []
+        matched_any = matched_any or bool(matched or params)
+        if not matched and not params and require_match and not own:
             sample = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
             problems.append(f"{where}: {pattern!r} matches no module of {type(model).__name__} (modules: {sample})")
         for name in matched:
-            resolved[name] = styles[style]
+            if entry is not None and entry.module is None:
+                problems.append(f"{where}: {pattern!r}: style {style!r} applies to parameters, and {name!r} is a module")
+                continue
+            module_styles[name] = styles[style] if style in styles else entry.module()
+        for name in params:
+            owner, _, attribute = name.rpartition(".")
+            if entry is None or entry.parameter is None:
+                problems.append(f"{where}: {pattern!r}: style {style!r} applies to modules, and {name!r} is a parameter")
+                continue
+            parameter_rules.setdefault(owner, {})[attribute] = entry.parameter
+    if own and not matched_any and not problems:
+        problems.append(f"{where}: no entry matches a module of {type(model).__name__}; give parallelism_config.tp_plan")
+    for owner, rules in parameter_rules.items():
+        then = module_styles.get(owner)
+        if not isinstance(then, tp_styles.LOCAL_FORWARD_STYLES):
+            problems.append(f"{where}: parameters {', '.join(f'{owner}.{a}' for a in rules)} are sharded by their "
+                            f"own entries but module {owner!r} has no style that runs its forward on local shards "
+                            "(moe_tp_experts, local_params, packed_colwise); add one for it")
+            continue
+        module_styles[owner] = tp_styles.ShardedParameters(rules, then)
     if problems:
         raise ConfigError(problems)
-    return resolved
+    return module_styles
+
+
+def _tied_parameters(model: torch.nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module name, attribute) that hold one and the same parameter (tied embeddings)."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attribute, param in module._parameters.items():
+            if param is not None and (module_name, attribute) not in holders.get(id(param), []):
+                holders.setdefault(id(param), []).append((module_name, attribute))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def _retie(model: torch.nn.Module, groups: list[list[tuple[str, str]]], where: str) -> None:
+    """Make each tied group one parameter again after ``parallelize_module`` replaced some of its
+    holders' parameters: the same DTensor when every holder was sharded the same way, else an error
+    naming the parameters and the fix (checked on every rank identically, before training)."""
+    problems = []
+    for group in groups:
+        params = [model.get_submodule(name)._parameters[attribute] for name, attribute in group]
+        labels = [f"{name}.{attribute}" if name else attribute for name, attribute in group]
+        layouts = {tuple(p.placements) if isinstance(p, DTensor) else None for p in params}
+        if len(layouts) > 1:
+            shown = ", ".join(f"{label}: {tuple(p.placements) if isinstance(p, DTensor) else 'whole'}"
+                              for label, p in zip(labels, params, strict=True))
+            problems.append(f"{where}: {' and '.join(labels)} are one tied parameter (tie_word_embeddings) but the plan "
+                            f"splits them differently ({shown}); untie them (tie_word_embeddings=False) or give "
+                            "parallelism_config.tp_plan with the same split for both (embedding + output)")
+            continue
+        for name, attribute in group[1:]:
+            model.get_submodule(name)._parameters[attribute] = params[0]
+    if problems:
+        raise ConfigError(problems)
 
 
 def apply_tensor_parallel(run: RunContext, model: torch.nn.Module, mesh: Any, parallelize_fn: Any,
                           require_match: bool = True) -> None:
     """``parallelize_fn(model, mesh)`` when given (it receives the whole mesh), else the plan:
-    ``parallelism_config.tp_plan`` or the model's own, applied over the ``tp`` sub-mesh."""
+    ``parallelism_config.tp_plan`` or the model's own, applied over the ``tp`` sub-mesh — head counts
+    checked first, tied parameters tied again after."""
     config = parallelism(run)
     if parallelize_fn is not None:
         parallelize_fn(model, mesh)
@@ -157,23 +242,25 @@ def apply_tensor_parallel(run: RunContext, model: torch.nn.Module, mesh: Any, pa
     tp = tp_mesh(mesh)
     if tp is None:
         return
-    plan, where = config.tp_plan, "parallelism_config.tp_plan"
+    plan, where, own = config.tp_plan, "parallelism_config.tp_plan", False
     if plan is None:
-        plan, where = model_plan(model), f"{type(model).__name__}'s own tensor-parallel plan"
+        plan, where, own = model_plan(model), f"{type(model).__name__}'s own tensor-parallel plan", True
     if not plan:
         raise ConfigError([f"parallelism_config.tp_plan: tp_size is {tp.size()} but no plan says which modules to "
                            f"split and {type(model).__name__} declares none (base_model_tp_plan); set tp_plan "
                            "(module-name glob -> style) or pass FullyShardedDataParallelPlugin(parallelize_fn=...)"])
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    parallelize_module(model, tp, resolve_plan(model, plan, config.loss_parallel, where, require_match))
+    resolved = resolve_plan(model, plan, config.loss_parallel, where, require_match, own=own)
+    problems = hf_styles.check_heads_divide(model, list(resolved), tp.size())
+    if problems:
+        raise ConfigError(problems)
+    tied = _tied_parameters(model)
+    parallelize_module(model, tp, resolved)
+    _retie(model, tied, where)
 
 
 def wrap_loss_parallel(model: torch.nn.Module) -> None:
     """``loss_parallel``: the forward (which computes the loss on the sharded logits) runs in torch's
     ``loss_parallel`` context; the backward slot enters it too (:func:`loss_parallel_backward`)."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     forward = model.forward
 
     @functools.wraps(forward)
@@ -185,8 +272,6 @@ def wrap_loss_parallel(model: torch.nn.Module) -> None:
 
 
 def loss_parallel_backward(backward: Any) -> Any:
-    from torch.distributed.tensor.parallel import loss_parallel
-
     def backward_in_loss_parallel(loss: Any, **kwargs: Any) -> None:
         with loss_parallel():
             backward(loss, **kwargs)
@@ -195,5 +280,5 @@ def loss_parallel_backward(backward: Any) -> Any:
 
 
 __all__ = ["AXES", "DATA_AXES", "apply_tensor_parallel", "data_mesh", "data_parallel_group", "data_parallel_layout",
-           "loss_parallel_backward", "mesh_layout", "model_plan", "parallelism", "pp_mesh", "resolve_plan", "tp_mesh",
-           "wrap_loss_parallel"]
+           "loss_parallel_backward", "mesh_layout", "model_plan", "parallelism", "pp_mesh", "resolve_plan",
+           "torchrig_styles", "tp_mesh", "wrap_loss_parallel"]
