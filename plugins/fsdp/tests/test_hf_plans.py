@@ -24,7 +24,7 @@ from torchrig_fsdp import hf_styles, tp_styles
 from torchrig_fsdp.mesh import model_plan, resolve_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from hf_models import FAMILIES, build, make_data  # noqa: E402
+from hf_models import FAMILIES, build, build_rare, make_data  # noqa: E402
 
 TIMEOUT = 300
 STEPS, PER_RANK, LR, CLIP = 3, 2, 1e-2, 1.0
@@ -203,6 +203,8 @@ def _check_against_reference(results: list[dict], family: str, dp_size: int, tp_
 LAYOUTS = {
     "tp2": ({"tp_size": 2}, 1, 2, 2),
     "fsdp2xtp": ({"dp_shard_size": 2, "tp_size": 2}, 2, 2, 4),
+    # HSDP's replicate axis x TP (a shard axis of 1: a real HSDP x TP mesh needs 8 ranks)
+    "replicate_x_tp": ({"dp_replicate_size": 2, "tp_size": 2}, 2, 2, 4),
 }
 
 
@@ -270,3 +272,52 @@ def _refused_heads(ctx) -> str | None:
 def test_gqa_heads_not_divisible_by_tp_are_refused_before_sharding(pool4):
     for message in pool4.run(_refused_heads, timeout=TIMEOUT):
         assert message is not None and "LlamaConfig.num_key_value_heads is 2, not divisible by tp_size 4" in message
+
+
+def _train_rare(ctx) -> dict:
+    from torchrig import Accelerator
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config={"tp_size": 2})
+        model = build_rare()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        losses = []
+        for (tokens,) in torch.utils.data.DataLoader(make_data(STEPS * PER_RANK), batch_size=PER_RANK):
+            loss = model(tokens)
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        plain = accelerator.unwrap_model(model)
+        return {"losses": losses, "params": {n: _full(p) for n, p in plain.named_parameters()},
+                "layout": {n: _placements(p) for n, p in plain.named_parameters()}}
+
+
+@pytest.mark.multiprocess
+def test_the_rarer_styles_train_like_one_process(pool2):
+    """embedding_colwise, packed_colwise on a fused Linear, rowwise_split_input, a parameter entry +
+    local_params + all_reduce, replicate and colwise_rep, on a model declaring its own ``_tp_plan``."""
+    results = pool2.run(_train_rare, timeout=TIMEOUT)
+    model = build_rare()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for (tokens,) in torch.utils.data.DataLoader(make_data(STEPS * PER_RANK), batch_size=PER_RANK):
+        loss = model(tokens)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    for result in results:
+        assert result["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-5)
+        for name, expected in model.named_parameters():
+            torch.testing.assert_close(result["params"][name], expected.detach(), rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+            assert not torch.equal(expected, initial[name]), f"{name} did not train"
+    layout = results[0]["layout"]
+    assert layout["embed.weight"] == ("Shard(dim=1)",) and layout["gate_up.weight"] == ("_StridedShard(dim=0, sf=2)",)
+    assert layout["mix.weight"] == ("Shard(dim=1)",) and layout["block.down.weight"] == ("Shard(dim=1)",)
+    assert layout["head.weight"] == ("Shard(dim=0)",) and layout["norm.weight"] is None  # replicate: left whole

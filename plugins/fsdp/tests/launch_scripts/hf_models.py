@@ -36,3 +36,57 @@ def build(family, seed=0, **overrides):
 def make_data(samples, seed=1234):
     generator = torch.Generator().manual_seed(seed)
     return torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (samples, SEQ), generator=generator))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(HIDDEN, 2 * HIDDEN, bias=False)
+        self.down = torch.nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class RareStylesLM(torch.nn.Module):
+    """A model declaring, as transformers models do, a ``_tp_plan`` with the styles no tiny model of
+    transformers 5.24 uses together: a hidden-split embedding, a fused gate/up projection, a row-wise
+    projection fed a whole input, a block computing partial sums on local shards (a parameter entry
+    + ``local_params``) summed by ``all_reduce``, a replicated norm, a gathered head."""
+
+    _tp_plan = {
+        "embed": "embedding_colwise",
+        "norm": "replicate",
+        "gate_up": "packed_colwise",
+        "down": "rowwise",
+        "mix": "rowwise_split_input",
+        "block.up": "colwise",
+        "block.down.weight": "rowwise",
+        "block.down": "local_params",
+        "block": "all_reduce",
+        "head": "colwise_rep",
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.gate_up = torch.nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.down = torch.nn.Linear(2 * HIDDEN, HIDDEN)
+        self.mix = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.block = _Block()
+        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.norm(self.embed(tokens))
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        h = h + self.down(torch.nn.functional.silu(gate) * up)
+        h = h + self.mix(h)
+        h = h + self.block(h)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(0, 1))
+
+
+def build_rare(seed=0):
+    torch.manual_seed(seed)
+    return RareStylesLM()
