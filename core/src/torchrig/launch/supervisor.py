@@ -18,10 +18,13 @@ So the wrapper forks before running anything (:func:`supervise`):
   launcher sees exactly what the rank did;
 * when the launcher dies (a ``PR_SET_PDEATHSIG`` signal, or a changed parent pid), the
   supervisor SIGKILLs the whole tree at once — the same fate ``PR_SET_PDEATHSIG`` gives the rank;
+* SIGUSR1 (a preemption warning) sent to the supervisor is passed on to the rank;
 * a stop signal (the launcher signals the supervisor's process group, which the rank shares)
   is the rank's to handle; if the tree is still there ``kill_grace`` seconds later, the
   supervisor SIGKILLs it, before the launcher's own SIGKILL would kill the supervisor first and
-  orphan the rest.
+  orphan the rest. Where the launcher signals the supervisor's pid alone (``notebook_launcher``:
+  torch's forked workers share the notebook's process group), ``forward_stop_signals`` passes
+  the signal on to the rank.
 
 Linux only (``prctl``); elsewhere :func:`supervise` returns at once and nothing changes.
 Imports nothing heavy: it runs before the user's script.
@@ -40,6 +43,8 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 #: The signal the kernel sends the supervisor when the launcher dies (it is waited for, not handled).
 PARENT_DIED = signal.SIGUSR2
+#: Passed on to the rank by the supervisor: a preemption warning, the rank's to answer.
+RELAYED = signal.SIGUSR1
 #: Seconds the processes a finished rank left behind get between SIGTERM and SIGKILL.
 LEFTOVER_GRACE_S = 0.5
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -52,9 +57,28 @@ def _libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def supervise(kill_grace: float) -> None:
+_loaded_libc: Any = None
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies. False where unsupported.
+    Also a ``preexec_fn`` (of ``--no_python`` children): libc is loaded once, beforehand."""
+    global _loaded_libc
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        if _loaded_libc is None:
+            _loaded_libc = _libc()
+        return _loaded_libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def supervise(kill_grace: float, *, forward_stop_signals: bool = False) -> None:
     """Fork the rank off this process and supervise it; returns only in the rank (the child).
 
+    ``forward_stop_signals``: pass SIGTERM/SIGINT/SIGHUP on to the rank (when the launcher
+    signals this pid alone, not a process group the rank shares).
     Returns at once, supervising nothing, where Linux's ``prctl`` is not available.
     """
     if not sys.platform.startswith("linux"):
@@ -66,19 +90,21 @@ def supervise(kill_grace: float) -> None:
     except (OSError, AttributeError):
         return
     launcher = os.getppid()
-    watched = {signal.SIGCHLD, PARENT_DIED, *_STOP_SIGNALS}
-    # SIGUSR1 is the rank's (a preemption warning the launcher forwards): blocked here, where its
-    # default action would end the supervisor and, through the parent-death signal, the rank.
-    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched | {signal.SIGUSR1})
+    # SIGUSR1 is the rank's (a preemption warning the launcher forwards): waited for here, where its
+    # default action would end the supervisor and, through the parent-death signal, the rank, and
+    # passed on to the rank — also one that reached this process before the fork (a pending signal
+    # is not inherited by a forked child).
+    watched = {signal.SIGCHLD, PARENT_DIED, RELAYED, *_STOP_SIGNALS}
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
     libc.prctl(_PR_SET_PDEATHSIG, int(PARENT_DIED), 0, 0, 0)
     pid = os.fork()
     if pid == 0:  # the rank: as if nothing happened (the subreaper mark is not inherited)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         return
-    _supervise(pid, launcher, watched, kill_grace)
+    _supervise(pid, launcher, watched, kill_grace, forward_stop_signals)
 
 
-def _supervise(rank: int, launcher: int, watched: set[int], kill_grace: float) -> None:
+def _supervise(rank: int, launcher: int, watched: set[int], kill_grace: float, forward_stop_signals: bool) -> None:
     """The supervisor's whole life; ends the process."""
     me = os.getpid()
     exited: dict[int, int] = {}  # wait status of every child reaped, the rank's among them
@@ -92,8 +118,15 @@ def _supervise(rank: int, launcher: int, watched: set[int], kill_grace: float) -
         if os.getppid() != launcher or (info is not None and info.si_signo == PARENT_DIED):
             end_tree(me, grace=0.0, exited=exited)
             os._exit(128 + signal.SIGKILL)
-        if info is not None and info.si_signo in _STOP_SIGNALS and kill_at is None:
-            kill_at = time.monotonic() + kill_grace
+        if info is not None and info.si_signo == RELAYED:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank, RELAYED)
+        if info is not None and info.si_signo in _STOP_SIGNALS:
+            if forward_stop_signals:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rank, info.si_signo)
+            if kill_at is None:
+                kill_at = time.monotonic() + kill_grace
         if kill_at is not None and time.monotonic() >= kill_at:
             end_tree(me, grace=0.0, exited=exited)  # the rank included: its status is reaped next round
             kill_at = float("inf")
@@ -189,4 +222,5 @@ def _reap_all(exited: dict[int, int]) -> None:
         exited[pid] = status
 
 
-__all__ = ["LEFTOVER_GRACE_S", "PARENT_DIED", "descendants", "direct_children", "end_tree", "supervise"]
+__all__ = ["LEFTOVER_GRACE_S", "PARENT_DIED", "RELAYED", "descendants", "direct_children", "end_tree", "set_parent_death_signal",
+           "supervise"]

@@ -19,7 +19,8 @@ recorded whatever happens to it:
   stuck in native code (a collective) does not run Python signal handlers, so a thread that
   sees the signal through ``signal.set_wakeup_fd`` ends it after a short grace;
 * a preemption (``preemption.signals``): the signals are recorded from the first instruction
-  (``--preemption_signals``), and a script that stopped with
+  (``--preemption_signals``; the launcher starts ranks with SIGUSR1 blocked, unblocked here once the
+  handler is in place, so a warning during the interpreter's own start is not lost either), and a script that stopped with
   :class:`~torchrig.preemption.Preempted` is recorded as ``preempted``, with its checkpoint;
 * ``--no_python`` commands run as a child process whose stderr passes through here, so the
   tail of it lands in the status file (there is no Python entry to wrap).
@@ -46,7 +47,7 @@ from typing import Any
 
 from torchrig import preemption, run_status
 from torchrig.launch import status as _status
-from torchrig.launch.supervisor import supervise
+from torchrig.launch.supervisor import set_parent_death_signal, supervise
 from torchrig.liveness import process_is_alive
 
 #: Seconds a rank gets to stop on its own after SIGTERM/SIGINT before it is ended from the
@@ -55,7 +56,6 @@ STOP_GRACE_S = 3.0
 #: Seconds after a stop signal before the supervisor SIGKILLs the rank's whole tree: after the
 #: rank's own grace, before the launcher's SIGKILL (default grace 10 s).
 KILL_GRACE_S = STOP_GRACE_S + 2.0
-_PR_SET_PDEATHSIG = 1
 _MODES = ("script", "module", "exec")
 
 
@@ -66,25 +66,6 @@ class Terminated(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(f"{signal.Signals(signum).name} from the launcher")
         self.signum = signum
-
-
-_libc: Any = None
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Ask Linux to send ``sig`` to this process when its parent dies. False where unsupported.
-    Also the ``preexec_fn`` of ``--no_python`` children: libc is loaded once, beforehand."""
-    global _libc
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        if _libc is None:
-            import ctypes
-
-            _libc = ctypes.CDLL(None, use_errno=True)
-        return _libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def _parse(argv: Sequence[str]) -> tuple[dict[str, str], str, str, list[str]]:
@@ -414,6 +395,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     early = [name for name in opts.get("preemption_signals", "").split(",") if name]
     if early:  # before the script: a scheduler's warning during its imports is kept, not fatal
         preemption.install_signal_handlers(early)
+    # The launcher starts ranks with SIGUSR1 blocked (torchrig.launch.elastic), so one that arrived
+    # while this interpreter started is pending: delivered now, to the handler just installed (or,
+    # with no preemption configured, with its default action, as for a rank that is running).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
     watch.start()
     try:
         if mode == "exec":
