@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -321,3 +322,22 @@ def test_the_rarer_styles_train_like_one_process(pool2):
     assert layout["embed.weight"] == ("Shard(dim=1)",) and layout["gate_up.weight"] == ("_StridedShard(dim=0, sf=2)",)
     assert layout["mix.weight"] == ("Shard(dim=1)",) and layout["block.down.weight"] == ("Shard(dim=1)",)
     assert layout["head.weight"] == ("Shard(dim=0)",) and layout["norm.weight"] is None  # replicate: left whole
+
+
+@pytest.mark.multiprocess
+def test_torchrig_launch_trains_a_transformers_llama_from_its_own_plan(tmp_path):
+    """The issue's report, end to end: ``torchrig launch --cpu --num_processes 2 --strategy fsdp`` of a
+    script asking ``ParallelismConfig(tp_size=2)`` for a transformers Llama (failed before: "unknown
+    style 'colwise_gather_output'")."""
+    script = os.path.join(os.path.dirname(__file__), "launch_scripts", "hf_train.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
+    env.update(TORCHRIG_CONFIG_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torchrig", "launch", "--cpu", "--num_processes", "2", "--strategy", "fsdp",
+               "--log_dir", str(tmp_path / "logs"), script, str(tmp_path), "llama", str(STEPS)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, start_new_session=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    launched = torch.load(tmp_path / "result.pt")
+    reference = _reference("llama", 1)
+    assert launched["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-5)
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(launched["params"][name], expected, rtol=1e-4, atol=1e-4)
