@@ -230,7 +230,9 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
         placement = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
         result: list[Any] = list(args)
         models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
-        optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
+        # A prepared optimizer is a torch Optimizer too (as Accelerate's is): returned as it is, never wrapped twice.
+        optimizers = [i for i, a in enumerate(args)
+                      if isinstance(a, torch.optim.Optimizer) and not isinstance(a, AcceleratedOptimizer)]
         schedulers = [i for i, a in enumerate(args) if _is_scheduler(a)]
         loaders = [i for i, a in enumerate(args) if isinstance(a, torch.utils.data.DataLoader)]
         self._step_plan()  # built before the strategy prepares (compile then rebuilds it)
@@ -275,7 +277,7 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
         became = {id(args[o]): result[o] for o in optimizers}
         for s in schedulers:
             optimizer = became.get(id(args[s].optimizer)) or next(
-                (w for w in self._optimizers if w.optimizer is args[s].optimizer), None)
+                (w for w in self._optimizers if args[s].optimizer is w or args[s].optimizer is w.optimizer), None)
             if optimizer is None:
                 raise ValueError("prepare(): a scheduler's optimizer must be prepared with it or before it")
             wrapped = self._host.hook.torchrig_prepare_scheduler(run=self._run, scheduler=result[s], optimizers=[optimizer])
