@@ -9,14 +9,20 @@ Usage and plugin errors print one message and exit with code 2 — never a trace
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-from collections.abc import Callable, Sequence
+from torchrig.launch import held_signals
 
-from torchrig._version import __version__
-from torchrig.cli.commands import add_commands, discover_commands
-from torchrig.errors import TorchrigError
+# First, before the imports below: a scheduler's SIGUSR1 that arrives while `torchrig launch` is
+# still starting is held for the ranks instead of ending the launcher (torchrig.launch.held_signals).
+held_signals.hold()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+
+from torchrig._version import __version__  # noqa: E402
+from torchrig.cli.commands import add_commands, discover_commands  # noqa: E402
+from torchrig.errors import TorchrigError  # noqa: E402
 
 EXIT_USAGE = 2
 #: Names a contributed command (``torchrig.commands`` entry point) cannot take.
@@ -91,6 +97,8 @@ def _run_new_plugin(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] not in (["launch"], ["test"]):
+        held_signals.release()  # nothing will be launched: SIGUSR1 does what it did before
     if argv[:1] == ["config"]:
         return _guarded("config", lambda: _run_config(argv[1:]))
     if argv[:1] == ["launch"]:

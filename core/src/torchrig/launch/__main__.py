@@ -1,7 +1,11 @@
 """``python -m torchrig.launch ...`` is ``torchrig launch ...``."""
 
-import sys
+from torchrig.launch import held_signals
 
-from torchrig.launch.cli import main
+held_signals.hold()  # first: a SIGUSR1 while the launcher starts is held for the ranks (held_signals)
+
+import sys  # noqa: E402
+
+from torchrig.launch.cli import main  # noqa: E402
 
 sys.exit(main())

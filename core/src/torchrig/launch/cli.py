@@ -26,6 +26,7 @@ import importlib.util
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -43,6 +44,7 @@ from torchrig.config.resolve import (
     resolve_config,
 )
 from torchrig.errors import ConfigError, TorchrigError
+from torchrig.launch import held_signals
 from torchrig.launch.defaults import launcher_host
 from torchrig.launch.worker import KILL_GRACE_S, STOP_GRACE_S
 from torchrig.plugin_host import PluginHost
@@ -199,6 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TorchrigError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        missed = held_signals.take()  # left when no worker was started (a dry run, an error)
+        if missed:
+            names = ", ".join(sorted({signal.Signals(signum).name for signum in missed}))
+            print(f"{PROG}: {names} arrived before any worker started; there was no rank to pass it on to",
+                  file=sys.stderr)
 
 
 def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None) -> int:

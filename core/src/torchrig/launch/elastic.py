@@ -24,7 +24,10 @@ across machines (one machine needs none: :class:`SingleNodeRendezvous`), and add
   are SIGKILLed after ``plan.shutdown_grace_s``; the exit code is 128 + the signal (130, 143).
   SIGUSR1 is passed on to every rank and tears nothing down (a preemption warning); ranks that
   stopped after a preemption checkpoint are not restarted, and the launcher exits with their
-  code (75 by default).
+  code (75 by default). A SIGUSR1 that arrived before the ranks existed (held from the entry
+  point's first line, :mod:`torchrig.launch.held_signals`) is passed on as soon as they do. The
+  ranks are started with SIGUSR1 blocked, so one that reaches a rank while its interpreter is
+  still starting stays pending until the wrapper has installed its handler (then unblocks it).
 * **Quiet.** Elastic's own log lines (``Sending process ... closing signal``) are hidden unless
   ``TORCHRIG_LOG_LEVEL`` is DEBUG or INFO; the summary says what happened.
 
@@ -61,9 +64,9 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from torchrig.launch import held_signals
 from torchrig.launch import status as _status
 from torchrig.launch import summary as _summary
-from torchrig.launch.supervisor import direct_children
 from torchrig.launch.tail import LogRelay
 from torchrig.types import LaunchPlan
 
@@ -230,7 +233,10 @@ class Observer:
     def __init__(self, plan: LaunchPlan, log_dir: str) -> None:
         self.plan, self.log_dir = plan, log_dir
         self.attempts: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
+        # Re-entrant: forward() runs in a signal handler, on the main thread, which may hold it already.
+        self.lock = threading.RLock()
+        #: Signals to pass on that arrived while no rank was running (delivered by :meth:`started`).
+        self.pending: list[int] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -257,6 +263,9 @@ class Observer:
             self._reset()
             self.attempt, self.ranks, self.pids = attempt, dict(ranks), dict(pids)
             self.started_at, self.ended = time.time(), False
+            pending, self.pending = self.pending, []
+        for signum in pending:
+            self.forward(signum)
         for local_rank, pid in pids.items():
             threading.Thread(target=self._wait_exit, args=(local_rank, pid), daemon=True,
                              name=f"torchrig-exit-{local_rank}").start()
@@ -276,16 +285,18 @@ class Observer:
                 self.exits.setdefault(local_rank, (now, code, sig))
 
     def forward(self, signum: int) -> None:
-        """Send ``signum`` to each rank (the supervisor's child), not to its process group: the
-        processes a rank started (DataLoader workers) would die of it."""
+        """Send ``signum`` to each rank's supervisor, which passes it on to the rank (without a
+        supervisor the rank is this pid) — not to the process group: the processes a rank started
+        (DataLoader workers) would die of it."""
         with self.lock:
             pids = list(self.pids.values()) if not self.ended else []
-        for supervisor in pids:
-            for pid in [supervisor, *direct_children(supervisor)]:
-                try:
-                    os.kill(pid, signum)  # the supervisor blocks it; without one the rank is this pid
-                except OSError:
-                    pass
+            if not pids:
+                self.pending.append(signum)  # no rank yet: passed on when the next attempt starts
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
 
     def teardown(self, death_sig: Any) -> None:
         with self.lock:
@@ -390,7 +401,19 @@ class TorchrigAgent(LocalElasticAgent):
         attempt = spec.max_restarts - self._remaining_restarts
         ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
         self.observer.before_start(attempt, ranks)
-        pids = super()._start_workers(worker_group)
+        # The ranks inherit this mask: a SIGUSR1 reaching one before its wrapper installed the
+        # handler stays pending (the wrapper unblocks it). Here, it waits until the pids are known.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {FORWARDED_SIGNAL})
+        try:
+            pids = super()._start_workers(worker_group)
+            self._watch_attempt(worker_group, attempt, ranks, pids)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return pids
+
+    def _watch_attempt(self, worker_group: WorkerGroup, attempt: int, ranks: Mapping[int, int],
+                       pids: Mapping[int, int]) -> None:
+        """Teardown within the grace, the log relay, and the observer told about the new pids."""
         context, observer, grace = self._pcontext, self.observer, self.grace
         assert context is not None
         original = context.close
@@ -406,7 +429,6 @@ class TorchrigAgent(LocalElasticAgent):
 
         context.close = close  # type: ignore[method-assign]
         self.observer.started(attempt, ranks, pids)
-        return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -479,6 +501,8 @@ def launch_with_elastic(plan: LaunchPlan) -> int:
     launch_error: str | None = None
     previous = {s: signal.signal(s, _raise_signal) for s in _HANDLED_SIGNALS}  # until elastic installs its own
     previous[FORWARDED_SIGNAL] = signal.signal(FORWARDED_SIGNAL, lambda signum, frame: observer.forward(signum))
+    for signum in held_signals.take():  # arrived while the launcher was starting
+        observer.forward(signum)
     handler = None
     shutdown_rdzv = True
     result: RunResult | None = None

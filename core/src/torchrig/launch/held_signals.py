@@ -1,0 +1,60 @@
+"""SIGUSR1 that reaches ``torchrig launch`` before its workers exist is held, then passed on.
+
+Why: SIGUSR1's default action ends a process. A scheduler's preemption warning (Slurm
+``--signal=USR1@T``) that arrived while the launcher was still importing, resolving its
+configuration or rendezvousing ended it with exit -10, no worker started, no checkpoint and no
+``run_status.json``. So the entry points (``torchrig``, ``python -m torchrig.launch``) call
+:func:`hold` in their first lines, before any heavy import; :mod:`torchrig.launch.elastic` takes
+what was held (:func:`take`) and passes it on to the ranks as soon as they exist. A command that
+launches nothing (:func:`release`) gets the default action back, and what was held is raised
+again, so for it nothing changed.
+
+Imports nothing but :mod:`signal` and :mod:`threading`: it runs before everything else.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+#: The signal held: a warning the ranks answer (a preemption checkpoint), never a stop.
+HELD_SIGNAL = signal.SIGUSR1
+
+_held: list[int] = []
+_previous: Any = None
+_holding = False
+
+
+def _remember(signum: int, frame: Any) -> None:
+    _held.append(signum)
+
+
+def hold() -> None:
+    """From now on, remember :data:`HELD_SIGNAL` instead of dying of it (main thread only; idempotent)."""
+    global _previous, _holding
+    if _holding or threading.current_thread() is not threading.main_thread():
+        return
+    _previous = signal.signal(HELD_SIGNAL, _remember)
+    _holding = True
+
+
+def take() -> list[int]:
+    """The signals held so far (each once); the caller now owns passing them on."""
+    taken = list(_held)
+    del _held[:]
+    return taken
+
+
+def release() -> None:
+    """Give the signal its handler from before :func:`hold` back and raise what was held again."""
+    global _holding
+    if not _holding:
+        return
+    signal.signal(HELD_SIGNAL, _previous if _previous is not None else signal.SIG_DFL)
+    _holding = False
+    for signum in take():
+        signal.raise_signal(signum)
+
+
+__all__ = ["HELD_SIGNAL", "hold", "release", "take"]
