@@ -8,9 +8,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os as _os
 from typing import TYPE_CHECKING, Any
 
 from torchrig._version import __version__
+
+if _os.environ.get("TORCHRIG_PREEMPTION__SIGNALS"):
+    # A scheduler's warning that arrives before the Accelerator exists is kept for its first step
+    # boundary, not fatal (docs/preemption.md); torch-free, a few signal.signal calls.
+    from torchrig.preemption import install_from_environment as _install_preemption_handlers
+
+    _install_preemption_handlers()
 
 #: Public name -> module that defines it.
 _LAZY: dict[str, str] = {

@@ -13,7 +13,7 @@ from torchrig import run_status
 from torchrig.config.options import PreemptionConfig
 from torchrig.config.resolve import ResolvedConfig
 from torchrig.errors import ConfigError
-from torchrig.preemption import Preempted, install_signal_handlers, run_requeue_command
+from torchrig.preemption import Preempted, install_signal_handlers, keep_only, run_requeue_command
 from torchrig.preemption_watch import PreemptionWatch
 from torchrig.run import RunContext
 
@@ -43,6 +43,7 @@ class PreemptionCalls:
         """With ``preemption.signals`` set: record those signals, refuse what could not be honoured
         (nowhere to save, a requeue nobody can do), and hand the step boundary to the data layer."""
         options = self._run.section(PreemptionConfig)
+        keep_only(options.signals)  # installed early from the environment; the resolved configuration decides
         if not options.signals:
             return None
         problems = []

@@ -7,7 +7,11 @@ period. With ``preemption.signals`` set, torchrig turns that warning into a comm
 * **The handler only records.** Acting inside a signal handler would interrupt whatever the
   main thread was doing — a collective, a half-written checkpoint file. The handler notes the
   signal; :mod:`torchrig.launch.worker` installs it before the script starts, so a warning that
-  arrives during imports is not lost (SIGUSR1's default action would end the process).
+  arrives during imports is not lost (SIGUSR1's default action would end the process). Without
+  the launcher (``python train.py``, ``srun``, ``torchrun``) ``import torchrig`` installs it when
+  ``TORCHRIG_PREEMPTION__SIGNALS`` is set (:func:`install_from_environment`), so a warning that
+  arrives before the ``Accelerator`` exists is honoured at its first step boundary; the
+  Accelerator's resolved configuration has the last word (:func:`keep_only`).
 * **Ranks agree on one step.** The signal reaches ranks at different moments (or only some of
   them), and a checkpoint is a collective: every rank must stop after the same optimizer step.
   At each step boundary — a prepared DataLoader about to read the next batch after a
@@ -27,6 +31,7 @@ Torch-free at import: the worker wrapper imports this before the user's script.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
@@ -55,10 +60,51 @@ def install_signal_handlers(names: Iterable[str]) -> list[str]:
     with _lock:
         for name in names:
             signum = int(signal.Signals[name])
-            if signum not in _installed:
+            if signal.getsignal(signum) is not _record:  # also when a handler set since replaced ours
                 _installed[signum] = signal.signal(signum, _record)
             installed.append(name)
     return installed
+
+
+#: The variable of ``preemption.signals``, read at ``import torchrig`` (before any configuration is resolved).
+SIGNALS_ENV = "TORCHRIG_PREEMPTION__SIGNALS"
+#: The signals ``preemption.signals`` accepts (torchrig.config.options validates the same list).
+_ACCEPTED = ("SIGUSR1", "SIGTERM")
+
+
+def install_from_environment(environ: Any = None) -> list[str]:
+    """Record the signals :data:`SIGNALS_ENV` names from now on (``"usr1,term"``, ``"SIGUSR1"``; names
+    the configuration would refuse are left to it, which says so). Main thread only; else nothing."""
+    text = str((os.environ if environ is None else environ).get(SIGNALS_ENV, ""))
+    names = []
+    for part in text.replace(",", " ").replace("[", " ").replace("]", " ").replace('"', " ").replace("'", " ").split():
+        name = part.strip().upper()
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        if name in _ACCEPTED and name not in names:
+            names.append(name)
+    if not names or threading.current_thread() is not threading.main_thread():
+        return []
+    return install_signal_handlers(names)
+
+
+def keep_only(names: Iterable[str]) -> None:
+    """Stop recording the installed signals that ``names`` (the resolved ``preemption.signals``)
+    leaves out: their handlers from before come back, and a request one of them made is raised
+    again, so it does what it would have done (SIGUSR1, SIGTERM: end the process) — never swallowed."""
+    global _requested
+    keep = {int(signal.Signals[name]) for name in names}
+    again = None
+    with _lock:
+        for signum in [s for s in _installed if s not in keep]:
+            previous = _installed.pop(signum)
+            try:
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            except (ValueError, TypeError):
+                pass
+            if _requested is not None and _requested[0] == signal.Signals(signum).name:
+                _requested, again = None, signum
+    if again is not None:
+        signal.raise_signal(again)
 
 
 def installed_signals() -> list[str]:
@@ -116,5 +162,5 @@ class Preempted(SystemExit):
                 f"{self.step}{how}")
 
 
-__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "install_signal_handlers", "installed_signals", "request",
-           "requested", "reset", "run_requeue_command"]
+__all__ = ["PREEMPTED_EXIT_CODE", "SIGNALS_ENV", "Preempted", "install_from_environment", "install_signal_handlers",
+           "installed_signals", "keep_only", "request", "requested", "reset", "run_requeue_command"]
