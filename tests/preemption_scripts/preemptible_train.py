@@ -6,7 +6,8 @@ make every piece of state matter. Each rank appends ``{"step", "loss", "samples"
 ``<project>/log-rank<r>.jsonl`` (``"step"`` counts micro-steps); rank 0 writes the final parameters to ``<project>/final.pt``.
 
     python preemptible_train.py PROJECT --steps 30 [--delay 0.02] [--signal-self-at K]
-        [--signal-rank R] [--signal SIGUSR1|SIGTERM] [--accumulate N]
+        [--signal-rank R] [--signal SIGUSR1|SIGTERM] [--accumulate N] [--signal-before-accelerator]
+        [--signal-during-save | --signal-during-load] [--save-every N]
 """
 
 import argparse
@@ -23,13 +24,24 @@ from torchrig.config.options import ProjectConfiguration
 
 
 class Progress:
-    def __init__(self) -> None:
+    """The step counter, checkpointed; ``signal_on`` ("save"/"load") makes it send the process a
+    signal from inside ``save_state``/``load_state`` (once)."""
+
+    def __init__(self, signal_on: str | None = None, signal_name: str = "SIGUSR1") -> None:
         self.step = 0
+        self.signal_on, self.signal_name = signal_on, signal_name
+
+    def _maybe_signal(self, moment: str) -> None:
+        if self.signal_on == moment:
+            self.signal_on = None
+            os.kill(os.getpid(), signal.Signals[self.signal_name])
 
     def state_dict(self) -> dict:
+        self._maybe_signal("save")
         return {"step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
+        self._maybe_signal("load")
         self.step = int(state["step"])
 
 
@@ -51,7 +63,14 @@ def main() -> None:
     parser.add_argument("--signal-rank", type=int, default=0, help="the rank that signals itself")
     parser.add_argument("--signal", default="SIGUSR1", help="the signal it sends itself")
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--signal-before-accelerator", action="store_true",
+                        help="every rank sends itself the signal before its Accelerator exists")
+    parser.add_argument("--signal-during-save", action="store_true", help="the signal arrives inside save_state")
+    parser.add_argument("--signal-during-load", action="store_true", help="the signal arrives inside load_state")
+    parser.add_argument("--save-every", type=int, default=0, help="save_state every N steps (0: never)")
     args = parser.parse_args()
+    if args.signal_before_accelerator:
+        os.kill(os.getpid(), signal.Signals[args.signal])
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate, project_config=ProjectConfiguration(
         project_dir=args.project, automatic_checkpoint_naming=True, total_limit=2))
@@ -63,7 +82,8 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
     loader = torch.utils.data.DataLoader(Indexed(), batch_size=4, shuffle=True)
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
-    progress = Progress()
+    progress = Progress("save" if args.signal_during_save else "load" if args.signal_during_load else None,
+                        args.signal)
     accelerator.register_for_checkpointing(progress)
     if accelerator.latest_checkpoint() is not None:
         accelerator.load_state()
@@ -85,6 +105,8 @@ def main() -> None:
             time.sleep(args.delay)
             if args.signal_self_at == progress.step and accelerator.process_index == args.signal_rank:
                 os.kill(os.getpid(), signal.Signals[args.signal])
+            if args.save_every and progress.step % args.save_every == 0:
+                accelerator.save_state()
             if progress.step >= args.steps:
                 break
     accelerator.wait_for_everyone()
