@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from torchrig.launch import summary as launch_summary
+from torchrig.testing.processes import leftover_processes
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
 LAUNCH_TIMEOUT = 120  # seconds a launcher may take before the test gives up (not a measurement)
@@ -515,3 +516,29 @@ def test_ddp_over_nccl_on_every_visible_gpu(tmp_path, process_guard):
     for rank in range(gpus):
         assert (out / f"rank{rank}.txt").read_text() == f"{rank} {gpus} " + (
             "DistributedDataParallel" if gpus > 1 else "Linear")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("how, code", [("a rank fails", 1), ("SIGINT to the launcher", 130)])
+def test_when_the_launcher_exits_nothing_a_rank_started_is_alive_daemons_included(tmp_path, process_guard, how, code):
+    """The guarantee of docs/launch.md ("No orphans"): by the time `torchrig launch` has exited,
+    every process of every rank's tree is gone — a subprocess, a multiprocessing child and a daemon
+    that left the rank's session and process group (setsid, double fork)."""
+    out = outdir(tmp_path)
+    proc = start(tmp_path, process_guard, "--num_processes", "2", "--log_dir", str(tmp_path / "logs"),
+                 str(SCRIPTS / "spawn_tree.py"), str(out), "fail" if how == "a rank fails" else "sleep")
+    if how == "SIGINT to the launcher":
+        wait_ready(out, 2, proc, process_guard)
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while not all((out / f"children-{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == code, err
+    started = [int(pid) for r in (0, 1) for pid in (out / f"children-{r}").read_text().split()]
+    started += [int((out / f"ready-{r}").read_text()) for r in (0, 1)]
+    for pid in started:
+        process_guard.track(pid)
+    assert leftover_processes(started, reap=False) == [], "processes a rank started outlived the launcher"

@@ -1,7 +1,7 @@
 """Start the processes a training script starts — a subprocess, a multiprocessing child and a
 daemon that left the session (setsid, double fork) — write their pids to
-``<out>/children-<RANK>``, announce, then ``sleep`` (wait forever) or ``exit`` (return at once,
-leaving them behind). No torch."""
+``<out>/children-<RANK>``, announce, then ``sleep`` (wait forever), ``exit`` (return at once,
+leaving them behind) or ``fail`` (rank 1 exits with code 3, the others sleep). No torch."""
 
 import multiprocessing
 import os
@@ -43,4 +43,6 @@ if __name__ == "__main__":
     announce()
     if how == "exit":
         os._exit(0)  # no multiprocessing join at exit: the children are left behind
+    if how == "fail" and rank == "1":
+        os._exit(3)  # rank 1 fails; the launcher tears rank 0 down
     time.sleep(600)
