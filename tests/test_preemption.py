@@ -156,6 +156,25 @@ def test_a_request_stops_at_the_next_step_boundary_after_an_optimizer_step(tmp_p
     assert all(torch.equal(saved[name], value) for name, value in model.state_dict().items())
 
 
+def test_signals_named_in_the_environment_are_recorded_from_import_and_refused_names_left_to_the_config():
+    assert preemption.install_from_environment({preemption.SIGNALS_ENV: "usr1, SIGKILL"}) == ["SIGUSR1"]
+    assert preemption.installed_signals() == ["SIGUSR1"]  # SIGKILL: the configuration names the problem
+    assert preemption.install_from_environment({preemption.SIGNALS_ENV: ""}) == []
+
+
+def test_a_signal_the_resolved_configuration_leaves_out_gets_its_handler_back_and_a_request_is_raised_again():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        preemption.install_signal_handlers(["SIGUSR1"])
+        preemption.request("SIGUSR1")  # recorded before the configuration turned preemption off
+        preemption.keep_only([])
+        assert preemption.installed_signals() == [] and preemption.requested() is None
+        assert seen == [signal.SIGUSR1]  # not swallowed: the handler from before ran
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 # ---------------------------------------------------------------- real processes
 
 
