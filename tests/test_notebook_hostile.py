@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from torchrig.testing.processes import leftover_processes
 
 SCRIPT = Path(__file__).parent / "notebook_scripts" / "notebook_hostile.py"
 TIMEOUT = 120  # seconds a launch may take before the test gives up (not a measurement)
@@ -73,8 +74,9 @@ def test_processes_the_ranks_started_are_gone_when_the_launcher_returns(tmp_path
     process_guard.assert_none_left()
 
 
-def test_processes_the_ranks_started_are_gone_when_a_rank_raises(tmp_path, process_guard):
-    result = _run(tmp_path, process_guard, "raise")
+@pytest.mark.parametrize("mode", ["raise", "raise_past_sigterm"])
+def test_processes_the_ranks_started_are_gone_when_a_rank_raises(tmp_path, process_guard, mode):
+    result = _run(tmp_path, process_guard, mode)
     assert result["raised"] == "NotebookLaunchError", result
     assert "rank 1 (local rank 1): exit code 1: RuntimeError: boom on rank 1" in result["message"]
     assert result["alive"] == []
@@ -82,13 +84,17 @@ def test_processes_the_ranks_started_are_gone_when_a_rank_raises(tmp_path, proce
     process_guard.assert_none_left()
 
 
-def test_ctrl_c_in_the_notebook_is_a_keyboard_interrupt_and_leaves_nothing_running(tmp_path, process_guard):
-    proc, out, tmp = _start(tmp_path, process_guard, "sleep")
+def _wait_ready(proc: subprocess.Popen, out: Path) -> None:
     deadline = time.monotonic() + TIMEOUT
     while not all((out / f"{what}-{rank}").exists() for what in ("ready", "children") for rank in (0, 1)):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the ranks never became ready"
         time.sleep(0.05)
+
+
+def test_ctrl_c_in_the_notebook_is_a_keyboard_interrupt_and_leaves_nothing_running(tmp_path, process_guard):
+    proc, out, tmp = _start(tmp_path, process_guard, "sleep")
+    _wait_ready(proc, out)
     proc.send_signal(signal.SIGINT)  # Jupyter's "interrupt the kernel": SIGINT to the kernel process only
     result = _finish(proc, out, tmp, process_guard)
     assert result["raised"] == "KeyboardInterrupt", result
@@ -107,6 +113,15 @@ def test_a_rank_that_leaves_the_function_early_is_named_and_the_others_torn_down
     process_guard.assert_none_left()
 
 
+def test_a_rank_that_calls_sys_exit_with_an_error_code_is_named_with_it(tmp_path, process_guard):
+    result = _run(tmp_path, process_guard, "sys_exit3")
+    assert result["raised"] == "NotebookLaunchError", result
+    assert "rank 1 (local rank 1): exit code 3: no Python exception" in result["message"]
+    assert "rank 0 (local rank 0)" not in result["message"]
+    assert result["alive"] == []
+    process_guard.assert_none_left()
+
+
 def test_a_hanging_rank_is_torn_down_when_its_peer_times_out(tmp_path, process_guard):
     result = _run(tmp_path, process_guard, "hang")
     assert result["raised"] == "NotebookLaunchError", result
@@ -120,3 +135,17 @@ def test_a_temporary_directory_another_thread_made_during_the_launch_is_kept(tmp
     assert result["raised"] is None, result
     assert result["other_thread_dir_exists"], "notebook_launcher removed a directory it did not make"
     assert result["alive"] == []
+
+
+def test_kill_9_of_the_notebook_takes_the_ranks_and_everything_they_started_with_it(tmp_path, process_guard):
+    proc, out, _ = _start(tmp_path, process_guard, "sleep")
+    _wait_ready(proc, out)
+    started = [int(pid) for name in ("pid-*", "children-*") for path in out.glob(name) for pid in path.read_text().split()]
+    for pid in started:
+        process_guard.track(pid)
+    proc.kill()
+    proc.communicate(timeout=TIMEOUT)
+    deadline = time.monotonic() + 10  # the kernel's parent-death signal, then each supervisor's sweep
+    while leftover_processes(started, reap=False) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leftover_processes(started, reap=False) == [], "processes outlived the notebook"

@@ -6,9 +6,11 @@ argv: OUT MODE PORT. Each rank writes ``pid-<rank>`` and (but in ``tempdir``) ``
 and a double fork), then ``ready-<rank>``, then does what MODE says:
 
 * ``return`` — every rank returns its rank;
-* ``raise`` — rank 1 raises, rank 0 sleeps (it must be torn down);
-* ``sleep`` — every rank sleeps (the test interrupts the notebook with SIGINT);
-* ``sys_exit0`` / ``os_exit0`` — rank 1 leaves through ``sys.exit(0)`` / ``os._exit(0)``, rank 0 sleeps;
+* ``raise`` — rank 1 raises, rank 0 sleeps (it must be torn down); ``raise_past_sigterm``: rank 0
+  also ignores SIGTERM;
+* ``sleep`` — every rank sleeps (the test interrupts the notebook with SIGINT, or kills it);
+* ``sys_exit0`` / ``os_exit0`` / ``sys_exit3`` — rank 1 leaves through ``sys.exit(0)`` / ``os._exit(0)`` /
+  ``sys.exit(3)``, rank 0 sleeps;
 * ``hang`` — both ranks join a process group with a 3 s collective timeout; rank 1 then hangs
   outside any collective while rank 0 waits in an all-reduce until it times out;
 * ``tempdir`` — every rank waits until a thread of the notebook has made a temporary directory of
@@ -87,10 +89,14 @@ def train(out_dir: str, mode: str) -> int:
         while not (out / "other-thread-dir").exists():
             time.sleep(0.01)
         return rank
-    if rank == 1 and mode == "raise":
+    if rank == 0 and mode == "raise_past_sigterm":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank that does not stop when asked
+    if rank == 1 and mode in ("raise", "raise_past_sigterm"):
         raise RuntimeError("boom on rank 1")
     if rank == 1 and mode == "sys_exit0":
         sys.exit(0)
+    if rank == 1 and mode == "sys_exit3":
+        sys.exit(3)
     if rank == 1 and mode == "os_exit0":
         os._exit(0)
     if mode != "return":
