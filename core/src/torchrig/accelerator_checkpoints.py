@@ -37,6 +37,8 @@ class CheckpointCalls:
 
         def wait_for_everyone(self) -> None: ...
 
+        def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any: ...
+
     @property
     def _checkpoints(self) -> CheckpointManager:
         """The run's checkpoint manager, made on first use."""
@@ -117,15 +119,18 @@ class CheckpointCalls:
 
     def save_model(self, model: Any, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True) -> list[str]:
-        """Full weights (gathered from shards) as ``model.safetensors`` or shards with an index;
-        collective. Returns the files written (empty on ranks that write nothing)."""
+        """What ``from_pretrained`` reads, from any layout (collective): the full weights (gathered
+        from shards) as ``model.safetensors`` or shards with an index, under transformers' names
+        (wrapper segments removed, tied weights once), with ``config.json`` when the model has a
+        config; a peft model's adapters alone (``adapter_model.safetensors`` +
+        ``adapter_config.json``). Returns the files written (empty on ranks that write nothing)."""
         # Deliberately deferred for start-up cost (see the module docstring).
-        from torchrig.checkpoint.export import parse_size, save_weights
+        from torchrig.checkpoint.export import parse_size, save_pretrained_files
 
         parse_size(max_shard_size)  # a bad size fails on every rank, before any gathering
         state = self.get_state_dict(model)
-        written = save_weights(state, os.fspath(save_directory), max_shard_size, safe_serialization) \
-            if self._writes_files else []
+        written = save_pretrained_files(self.unwrap_model(model), state, os.fspath(save_directory), max_shard_size,
+                                        safe_serialization) if self._writes_files else []
         self.wait_for_everyone()
         return written
 

@@ -6,6 +6,12 @@ and ``weight_map``); ``pytorch_model*.bin`` without safe serialization — so ``
 ``safetensors`` read it. Every file is written under a temporary name, fsynced and renamed; the
 index is written last, and shards of an earlier save that the new index no longer names are
 removed, so a reader never sees a mixture.
+
+``save_pretrained_files`` is what ``Accelerator.save_model`` writes: the weights under the names
+``transformers`` uses (:mod:`torchrig.checkpoint.hf_names`: wrapper segments removed, tied weights
+once), ``config.json``/``generation_config.json`` when the model has a config, and for a peft
+model its adapters alone, written by peft's own ``save_pretrained`` (``adapter_model.safetensors``
++ ``adapter_config.json``, the layout ``PeftModel.from_pretrained`` loads).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrig.checkpoint.files import SAFETENSORS_METADATA_KEY, CheckpointError, describe_os_error, fsync_path
+from torchrig.checkpoint.hf_names import clean_name, is_peft_model, transformers_state, write_config_files
 from torchrig.checkpoint.state_dicts import ALIASES_KEY, split_aliases
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
@@ -127,6 +134,25 @@ def save_weights(state: Mapping[str, Any], directory: str, max_shard_size: int |
     return written
 
 
+def save_pretrained_files(model: Any, state: Mapping[str, Any], directory: str, max_shard_size: int | str = "10GB",
+                          safe_serialization: bool = True) -> list[str]:
+    """Write the gathered full ``state`` of ``model`` (its unwrapped module) as ``from_pretrained``
+    reads it: a peft model's adapters alone, any other model's weights under transformers' names
+    plus its config files. Returns the file names written."""
+    if is_peft_model(model):
+        os.makedirs(directory, exist_ok=True)
+        before = set(os.listdir(directory))
+        adapter_state = {clean_name(name): value for name, value in state.items()}
+        model.save_pretrained(directory, state_dict=adapter_state, safe_serialization=safe_serialization)
+        fsync_path(directory)
+        return sorted(set(os.listdir(directory)) - before) or sorted(
+            name for name in os.listdir(directory) if name.startswith(("adapter_model", "adapter_config")))
+    written = save_weights(transformers_state(state, model), directory, max_shard_size, safe_serialization)
+    written += write_config_files(model, directory)
+    fsync_path(directory)
+    return written
+
+
 def save_object(obj: Any, path: str, safe_serialization: bool = False) -> None:
     """``Accelerator.save``: one object, written atomically (``torch.save`` or safetensors)."""
     import torch
@@ -146,4 +172,4 @@ def save_object(obj: Any, path: str, safe_serialization: bool = False) -> None:
     fsync_path(directory)
 
 
-__all__ = ["parse_size", "save_object", "save_weights", "shard"]
+__all__ = ["parse_size", "save_object", "save_pretrained_files", "save_weights", "shard"]

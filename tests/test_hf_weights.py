@@ -1,0 +1,88 @@
+"""``save_model`` writes what transformers' ``from_pretrained`` reads, and
+``load_pretrained_weights`` reads what ``save_pretrained`` writes — in one process (the sharded
+layouts are in plugins/fsdp/tests/test_hf_weights_layouts.py and the deepspeed plugin's tests).
+
+Tiny transformers models built from configs (no network); every comparison is bit-exact
+(``torch.equal``), against files read back from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "plugins", "fsdp", "tests", "launch_scripts"))
+from hf_models import build  # noqa: E402
+
+
+def _file_keys(directory: str) -> set[str]:
+    keys: set[str] = set()
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, name), "pt") as handle:
+                keys |= set(handle.keys())
+    return keys
+
+
+def _accelerator():
+    from torchrig import Accelerator
+
+    return Accelerator(cpu=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+def test_save_model_output_loads_with_from_pretrained_bit_exactly(tmp_path, family):
+    reference = build(family, seed=3)
+    reference.save_pretrained(tmp_path / "reference")
+    accelerator = _accelerator()
+    prepared = accelerator.prepare(build(family, seed=3))
+    accelerator.save_model(prepared, tmp_path / "saved", max_shard_size="20KB")
+    assert (tmp_path / "saved" / "config.json").exists()
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert _file_keys(str(tmp_path / "saved")) == _file_keys(str(tmp_path / "reference"))
+    index = json.loads((tmp_path / "saved" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == _file_keys(str(tmp_path / "saved"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert (loaded.lm_head.weight is loaded.get_input_embeddings().weight) == (family == "llama_tied")
+    expected = dict(reference.named_parameters())
+    got = dict(loaded.named_parameters())
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+
+
+def test_save_model_of_a_compiled_model_drops_the_wrapper_segment(tmp_path):
+    accelerator = _accelerator()
+    model = build("llama", seed=1)
+    compiled = torch.compile(model)
+    accelerator.save_model(compiled, tmp_path / "saved")
+    assert _file_keys(str(tmp_path / "saved")) == set(model.state_dict())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_save_model_of_a_peft_model_writes_the_adapter_alone(tmp_path):
+    peft = pytest.importorskip("peft")
+    accelerator = _accelerator()
+    base = build("llama", seed=2)
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    prepared = accelerator.prepare(lora)
+    written = accelerator.save_model(prepared, tmp_path / "adapter")
+    assert set(os.listdir(tmp_path / "adapter")) >= {"adapter_model.safetensors", "adapter_config.json"}
+    assert "adapter_model.safetensors" in written and "adapter_config.json" in written
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    keys = _file_keys(str(tmp_path / "adapter"))
+    assert keys and all("lora_" in key for key in keys), sorted(keys)
+    expected = peft.get_peft_model_state_dict(lora)
+    assert keys == set(expected)
+    fresh = peft.PeftModel.from_pretrained(build("llama", seed=2), tmp_path / "adapter")
+    mine = dict(lora.named_parameters())
+    for name, value in fresh.named_parameters():
+        assert torch.equal(value, mine[name]), name
