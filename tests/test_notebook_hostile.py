@@ -137,6 +137,22 @@ def test_a_temporary_directory_another_thread_made_during_the_launch_is_kept(tmp
     assert result["alive"] == []
 
 
+def test_ctrl_c_again_and_again_during_the_teardown_still_leaves_nothing_running(tmp_path, process_guard):
+    """The ranks ignore SIGINT and SIGTERM, so each teardown waits for the supervisors' kill grace
+    (5 s); the user presses Ctrl-C three times meanwhile, interrupting torch's teardown and then
+    its second teardown."""
+    proc, out, tmp = _start(tmp_path, process_guard, "sleep_past_stop_signals")
+    _wait_ready(proc, out)
+    for _ in range(3):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)  # well inside the supervisors' grace: the teardown is still waiting
+    result = _finish(proc, out, tmp, process_guard)
+    assert result["raised"] == "KeyboardInterrupt", result
+    assert result["alive"] == []
+    assert result["sigint_handler_is_pythons"]
+    process_guard.assert_none_left()
+
+
 def test_kill_9_of_the_notebook_takes_the_ranks_and_everything_they_started_with_it(tmp_path, process_guard):
     proc, out, _ = _start(tmp_path, process_guard, "sleep")
     _wait_ready(proc, out)

@@ -9,6 +9,8 @@ and a double fork), then ``ready-<rank>``, then does what MODE says:
 * ``raise`` — rank 1 raises, rank 0 sleeps (it must be torn down); ``raise_past_sigterm``: rank 0
   also ignores SIGTERM;
 * ``sleep`` — every rank sleeps (the test interrupts the notebook with SIGINT, or kills it);
+  ``sleep_past_stop_signals``: the ranks also ignore SIGINT and SIGTERM (the user presses Ctrl-C again
+  and again while the teardown waits);
 * ``sys_exit0`` / ``os_exit0`` / ``sys_exit3`` — rank 1 leaves through ``sys.exit(0)`` / ``os._exit(0)`` /
   ``sys.exit(3)``, rank 0 sleeps;
 * ``hang`` — both ranks join a process group with a 3 s collective timeout; rank 1 then hangs
@@ -89,6 +91,9 @@ def train(out_dir: str, mode: str) -> int:
         while not (out / "other-thread-dir").exists():
             time.sleep(0.01)
         return rank
+    if mode == "sleep_past_stop_signals":  # ranks that stop neither on Ctrl-C nor on SIGTERM
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if rank == 0 and mode == "raise_past_sigterm":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank that does not stop when asked
     if rank == 1 and mode in ("raise", "raise_past_sigterm"):

@@ -160,6 +160,8 @@ def _run_agent(function: Callable[..., Any], args: tuple, *, nproc: int, num_nod
             raise NotebookLaunchError(f"notebook_launcher: {len(failures)} of {nproc * num_nodes} processes of "
                                       f"{name!r} failed; the others were stopped.\n{report}", failures)
     finally:
+        if agent is not None:
+            agent.sweep()  # nothing is left even when the teardown itself was interrupted
         if handler is not None and shutdown_rdzv:
             with contextlib.suppress(Exception):
                 handler.shutdown()

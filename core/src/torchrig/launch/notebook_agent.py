@@ -20,8 +20,11 @@ hands back the files torch created for this launch so that exactly those are rem
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +32,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from torchrig.launch.supervisor import LEFTOVER_GRACE_S, end_tree, set_parent_death_signal, supervise
+from torchrig.launch.supervisor import LEFTOVER_GRACE_S, descendants, end_tree, set_parent_death_signal, supervise
 
 #: Seconds the supervisor gives a rank after a stop signal before it SIGKILLs the rank's tree.
 RANK_KILL_GRACE_S = 5.0
@@ -59,9 +62,25 @@ class NotebookAgent(LocalElasticAgent):
         self.function_name = function_name
         #: ``torch.multiprocessing``'s ``pytorch-errorfile-*`` files of this launch (never removed by torch).
         self.error_files: list[str] = []
+        #: Every rank's pid (its supervisor's), all attempts: what :meth:`sweep` ends.
+        self.rank_pids: list[int] = []
+
+    def sweep(self) -> None:
+        """SIGKILL whatever is left of every rank's tree (after a teardown that was itself
+        interrupted, e.g. a second Ctrl-C): the tree below a supervisor, then the supervisor."""
+        for _ in range(100):
+            roots = [pid for pid in self.rank_pids if _running_child_of_ours(pid)]  # never a reused pid
+            left = [pid for root in roots for pid in (*descendants(root), root)]
+            if not left:
+                return
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
+        self.rank_pids += list(pids.values())
         context = self._pcontext
         assert context is not None
         processes = getattr(context, "_pc", None)
@@ -94,6 +113,16 @@ class NotebookAgent(LocalElasticAgent):
                 rank = worker_group.workers[local_rank].global_rank
                 left[rank] = LeftEarly(local_rank, process.pid, self.function_name)
         return left
+
+
+def _running_child_of_ours(pid: int) -> bool:
+    """A live (not zombie) child of this process: a supervisor of this launch, not a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().decode(errors="replace").rpartition(")")[2].split()
+    except OSError:
+        return False
+    return len(fields) > 1 and fields[0] not in ("Z", "X", "x") and int(fields[1]) == os.getpid()
 
 
 def rank_entry(function: Callable[..., Any], *args: Any) -> Any:
