@@ -1,0 +1,100 @@
+"""LoRA (peft) under the fsdp strategy (FSDP2) on two gloo ranks, the frozen base sharded too: a transformers Llama with a frozen base and trainable
+adapters trains like one process on the concatenated batches (accumulation 2, clipping), only the adapters get
+optimizer state, and ``save_state``/``load_state`` resume bit-for-bit. The workload is tests/peft_lora.py."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import pytest
+import torch
+from torchrig.testing.contracts import rank_environment
+
+pytestmark = pytest.mark.multiprocess
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests"))
+import peft_lora  # noqa: E402
+
+TIMEOUT = 180
+WORLD, PER_RANK, ACCUMULATION, OPTIMIZER_STEPS = 2, 2, 2, 3
+MICRO = ACCUMULATION * OPTIMIZER_STEPS
+SAMPLES = WORLD * PER_RANK * MICRO * 2  # room for the resumed legs
+
+
+def _prepared(ctx):
+    from torchrig import Accelerator
+
+    gc.collect()  # an earlier task's Accelerator must not hold the world
+    accelerator = Accelerator(cpu=True, strategy="fsdp", gradient_accumulation_steps=ACCUMULATION)
+    model = peft_lora.build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peft_lora.LR)  # the frozen base included, as users write
+    loader = torch.utils.data.DataLoader(peft_lora.make_data(SAMPLES), batch_size=PER_RANK)
+    return accelerator, *accelerator.prepare(model, optimizer, loader)
+
+
+def _train(ctx):
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator, model, optimizer, loader = _prepared(ctx)
+        result = peft_lora.train(accelerator, model, optimizer, loader, MICRO)
+        unwrapped = accelerator.unwrap_model(model)
+        trainable = [p for p in unwrapped.parameters() if p.requires_grad]
+        with_state = [p for p in unwrapped.parameters() if p in optimizer.state and optimizer.state[p]]
+        result.update(strategy=accelerator.strategy, state=peft_lora.full_state(accelerator, model),
+                      trainable=len(trainable), with_state=len(with_state),
+                      frozen_with_state=sum(not p.requires_grad for p in with_state),
+                      unwrapped=type(unwrapped).__name__,
+                      placements={name: [str(x) for x in getattr(p, "placements", ())] or type(p).__name__
+                                  for name, p in unwrapped.named_parameters()},
+                      optimizer_params=sum(len(g["params"]) for g in optimizer.param_groups),
+                      optimizer_dtensors=sum(type(p).__name__ == "DTensor" for g in optimizer.param_groups
+                                             for p in g["params"]))
+        accelerator.end_training()
+        return result
+
+
+def test_lora_under_fsdp2_trains_like_one_process_with_state_for_adapters_only(gloo_pool):
+    expected = peft_lora.reference(SAMPLES, WORLD * PER_RANK, ACCUMULATION, stop=MICRO)
+    assert max(expected["norms"]) > peft_lora.CLIP  # clipping takes effect
+    for rank, result in enumerate(gloo_pool.run(_train, timeout=TIMEOUT)):
+        assert result["strategy"] == "fsdp" and result["unwrapped"] in ("PeftModel", "FSDPPeftModel")
+        # every parameter, the frozen base included, is a DTensor sharded over the two ranks
+        assert all(placements == ["S(0)"] for placements in result["placements"].values()), result["placements"]
+        assert result["optimizer_params"] == result["optimizer_dtensors"] == len(result["placements"])
+        assert result["trainable"] == len(expected["adapters"]) == expected["optimizer_states"] > 0
+        assert result["with_state"] == result["trainable"] and result["frozen_with_state"] == 0
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5, abs=1e-6)
+        assert result["norms"] == pytest.approx(expected["norms"], rel=1e-4)
+        if rank > 0 and not result["state"]:
+            continue  # the full state dict is gathered onto rank 0
+        assert result["state"].keys() == expected["state"].keys()
+        for name, tensor in expected["state"].items():
+            torch.testing.assert_close(result["state"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _leg(ctx, load_from, save_to, micro):
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator, model, optimizer, loader = _prepared(ctx)
+        if load_from:
+            accelerator.load_state(load_from)
+        result = peft_lora.train(accelerator, model, optimizer, loader, micro)
+        if save_to:
+            accelerator.save_state(save_to)
+        result["state"] = peft_lora.full_state(accelerator, model)
+        accelerator.end_training()
+        return result
+
+
+def test_lora_under_fsdp2_save_state_load_state_resumes_bit_for_bit(gloo_pool, tmp_path):
+    """Train k steps, save, train m more; a fresh run that loads and trains m steps is the same bits."""
+    checkpoint = str(tmp_path / "ckpt")
+    k, m = 2 * ACCUMULATION, 2 * ACCUMULATION
+    gloo_pool.run(_leg, None, checkpoint, k, timeout=TIMEOUT)
+    continued = gloo_pool.run(_leg, checkpoint, None, m, timeout=TIMEOUT)
+    uninterrupted = gloo_pool.run(_leg, None, None, k + m, timeout=TIMEOUT)
+    assert continued[0]["state"]  # rank 0 holds the full state dict
+    for rank in range(WORLD):
+        assert continued[rank]["losses"] == uninterrupted[rank]["losses"][k:]
+        for name, tensor in uninterrupted[rank]["state"].items():
+            assert torch.equal(continued[rank]["state"][name], tensor), name
