@@ -86,3 +86,66 @@ def test_save_model_of_a_peft_model_writes_the_adapter_alone(tmp_path):
     mine = dict(lora.named_parameters())
     for name, value in fresh.named_parameters():
         assert torch.equal(value, mine[name]), name
+
+
+# -- weights in ---------------------------------------------------------------------------------
+
+
+def _assert_same_parameters(model, reference, dtype=None):
+    expected = dict(reference.named_parameters())
+    got = dict(model.named_parameters())
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        value = value.detach() if dtype is None else value.detach().to(dtype)
+        assert torch.equal(got[name].detach().to(value.dtype), value), name
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+def test_load_pretrained_weights_reads_save_pretrained_files_into_a_prepared_model(tmp_path, family):
+    reference = build(family, seed=5)
+    reference.save_pretrained(tmp_path / "ref", max_shard_size="20KB")
+    assert (tmp_path / "ref" / "model.safetensors.index.json").exists()
+    accelerator = _accelerator()
+    prepared = accelerator.prepare(build(family, seed=6))
+    result = accelerator.load_pretrained_weights(prepared, tmp_path / "ref")
+    model = accelerator.unwrap_model(prepared)
+    _assert_same_parameters(model, reference)
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) == (family == "llama_tied")
+    total = sum(t.numel() * t.element_size() for t in {id(p): p for p in reference.parameters()}.values())
+    assert result.bytes_read == total and result.missing == () and result.unexpected == ()
+    assert result.largest_read == max(p.numel() * p.element_size() for p in reference.parameters())
+
+
+def test_load_pretrained_weights_converts_the_files_dtype(tmp_path):
+    reference = build("llama", seed=7).to(torch.bfloat16)
+    reference.save_pretrained(tmp_path / "bf16")
+    accelerator = _accelerator()
+    model = build("llama", seed=8)
+    accelerator.load_pretrained_weights(model, tmp_path / "bf16" / "model.safetensors")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    _assert_same_parameters(model, reference, dtype=torch.float32)
+
+
+def test_missing_and_unexpected_keys_are_named(tmp_path):
+    from safetensors.torch import save_file
+    from torchrig.checkpoint.files import CheckpointError
+
+    state = {k: v.clone() for k, v in build("llama", seed=9).state_dict().items()}
+    del state["model.norm.weight"]
+    state["model.extra.weight"] = torch.zeros(2)
+    (tmp_path / "w").mkdir()
+    save_file(state, str(tmp_path / "w" / "model.safetensors"))
+    accelerator = _accelerator()
+    model = build("llama", seed=10)
+    with pytest.raises(CheckpointError, match=r"missing.*'model\.norm\.weight'.*unexpected.*'model\.extra\.weight'"):
+        accelerator.load_pretrained_weights(model, tmp_path / "w")
+    result = accelerator.load_pretrained_weights(model, tmp_path / "w", strict=False)
+    assert result.missing == ("model.norm.weight",) and result.unexpected == ("model.extra.weight",)
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, state["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_a_directory_without_safetensors_weights_is_an_error_naming_it(tmp_path):
+    from torchrig.checkpoint.files import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"neither model\.safetensors\.index\.json nor model\.safetensors"):
+        _accelerator().load_pretrained_weights(build("llama"), tmp_path)

@@ -134,6 +134,18 @@ class CheckpointCalls:
         self.wait_for_everyone()
         return written
 
+    def load_pretrained_weights(self, model: Any, path: str | os.PathLike, strict: bool = True) -> Any:
+        """Load Hugging Face safetensors weights (a directory with ``model.safetensors`` or
+        ``model.safetensors.index.json``, or one file) into ``model`` in place, before or after
+        ``prepare``, in any layout (collective when sharded): each rank reads only its own shards'
+        bytes, converting to the parameters' dtype. Missing/unexpected keys (transformers' names)
+        are an error naming them unless ``strict=False``. Returns what was read
+        (:class:`~torchrig.checkpoint.hf_load.PretrainedLoad`)."""
+        # Deliberately deferred for start-up cost (see the module docstring).
+        from torchrig.checkpoint.hf_load import load_pretrained_weights
+
+        return load_pretrained_weights(self.unwrap_model(model), path, strict)
+
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
         """Write ``obj`` once per job (once per node with ``save_on_each_node``), atomically."""
         # Deliberately deferred for start-up cost (see the module docstring).
