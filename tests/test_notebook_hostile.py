@@ -98,6 +98,7 @@ def test_ctrl_c_in_the_notebook_is_a_keyboard_interrupt_and_leaves_nothing_runni
     proc.send_signal(signal.SIGINT)  # Jupyter's "interrupt the kernel": SIGINT to the kernel process only
     result = _finish(proc, out, tmp, process_guard)
     assert result["raised"] == "KeyboardInterrupt", result
+    assert sorted(p.name for p in out.glob("interrupted-*")) == ["interrupted-0", "interrupted-1"]  # not torch's
     assert result["alive"] == []
     assert result["sigint_handler_is_pythons"], "the next Ctrl-C in the notebook would raise torch's SignalException"
     process_guard.assert_none_left()

@@ -105,7 +105,11 @@ def train(out_dir: str, mode: str) -> int:
     if rank == 1 and mode == "os_exit0":
         os._exit(0)
     if mode != "return":
-        time.sleep(600)
+        try:
+            time.sleep(600)
+        except KeyboardInterrupt:  # what the function sees of a Ctrl-C
+            _write(out / f"interrupted-{rank}", "KeyboardInterrupt")
+            raise
     return rank
 
 

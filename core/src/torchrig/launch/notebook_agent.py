@@ -129,6 +129,11 @@ def rank_entry(function: Callable[..., Any], *args: Any) -> Any:
     """What a forked rank runs: supervised (its tree dies with it and with the notebook), then the
     function; the processes it started end before it returns, so none can make it wait at exit
     (``multiprocessing`` joins non-daemon children) and none outlives the launch."""
+    # Python's own handlers, not the ones torch's agent installed in the notebook before forking: a
+    # Ctrl-C is a KeyboardInterrupt in the function too (the function's `except KeyboardInterrupt` runs).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
     supervise(RANK_KILL_GRACE_S, forward_stop_signals=True)  # returns in the rank; the supervisor never returns
     set_parent_death_signal()
     try:
