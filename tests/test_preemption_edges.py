@@ -64,6 +64,29 @@ def test_sigusr1_while_the_launcher_starts_is_passed_on_and_the_ranks_checkpoint
     _assert_same_training(tmp_path / "straight", project, ranks=2)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_while_the_launcher_starts_starts_no_worker_and_writes_run_status(tmp_path, process_guard, sig):
+    ready, go, logs, project = tmp_path / "ready", tmp_path / "go", tmp_path / "logs", tmp_path / "stopped"
+    launch = _launch("--log_dir", str(logs), *_train(project))[3:]
+    proc = subprocess.Popen([sys.executable, "-c", HELD_ENTRY, str(ready), str(go), *launch], start_new_session=True,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_env(tmp_path, TORCHRIG_PREEMPTION__SIGNALS="SIGUSR1,SIGTERM"))
+    process_guard.track(proc)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    time.sleep(0.2)
+    go.touch()
+    _, err = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 128 + sig, err
+    assert f"stopped by {sig.name} before any worker started" in err and "Traceback" not in err
+    report = json.loads((logs / RUN_STATUS_FILE).read_text())
+    assert report["state"] == "terminated" and report["exit_code"] == 128 + sig
+    assert not (project / "log-rank0.jsonl").exists()  # no worker ran
+
+
 def test_sigusr1_to_a_command_that_launches_nothing_keeps_its_default_action(tmp_path, process_guard):
     ready, go = tmp_path / "ready", tmp_path / "go"
     proc = subprocess.Popen([sys.executable, "-c", HELD_ENTRY, str(ready), str(go), "plugins"], start_new_session=True,

@@ -202,10 +202,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:
+        if held_signals.stop_requested() is not None:
+            held_signals.release()  # nothing was launched (a dry run, an error): die of it, as without holding
         missed = held_signals.take()  # left when no worker was started (a dry run, an error)
         if missed:
             names = ", ".join(sorted({signal.Signals(signum).name for signum in missed}))
-            print(f"{PROG}: {names} arrived before any worker started; there was no rank to pass it on to",
+            print(f"{PROG}: {names} arrived before any worker started, and no worker was started",
                   file=sys.stderr)
 
 
@@ -272,6 +274,9 @@ def run_plan(host: PluginHost, plan: LaunchPlan) -> int:
     implementation did not (a third-party launcher running our wrapper)."""
     from torchrig.launch.status import RUN_STATUS_FILE
 
+    stop = held_signals.stop_requested()
+    if stop is not None:  # the job was being ended while the launcher started: start nothing
+        return _stopped_before_start(plan, stop)
     try:
         code = host.hook.torchrig_launch(plan=plan)
     except KeyboardInterrupt:
@@ -284,6 +289,23 @@ def run_plan(host: PluginHost, plan: LaunchPlan) -> int:
         from torchrig.launch.summary import summarize_from_files
 
         summarize_from_files(plan, code)
+    return code
+
+
+def _stopped_before_start(plan: LaunchPlan, signum: int) -> int:
+    """``run_status.json`` and the exit code of a launch stopped by a signal before any worker started."""
+    from torchrig.launch import summary
+    from torchrig.launch.status import RUN_STATUS_FILE, TERMINATED, write_json_atomic
+
+    name, code = signal.Signals(signum).name, 128 + signum
+    held_signals.take()
+    verdict = summary.analyze([], launcher_signal=name, launch_error=f"stopped by {name} before any worker started")
+    report = summary.run_status(run_id=os.path.basename(os.path.normpath(plan.log_dir)), state=TERMINATED,
+                                exit_code=code, attempts=[{"attempt": 0, "verdict": verdict, "ranks": []}],
+                                plan={"max_restarts": plan.max_restarts}, warnings=list(plan.warnings))
+    write_json_atomic(os.path.join(plan.log_dir, RUN_STATUS_FILE), report)
+    print(f"{PROG}: stopped by {name} before any worker started; status in {plan.log_dir}", file=sys.stderr,
+          flush=True)
     return code
 
 

@@ -443,6 +443,16 @@ class TorchrigAgent(LocalElasticAgent):
         return result
 
 
+def _pass_on_held_signals(observer: Observer) -> None:
+    """SIGUSR1 held since the entry point goes to the ranks once they exist; a held stop signal
+    stops the launch here, before any worker starts (raised as if it arrived now)."""
+    for signum in held_signals.take():
+        if signum == FORWARDED_SIGNAL:
+            observer.forward(signum)
+        else:
+            _raise_signal(signum, None)
+
+
 def _raise_signal(signum: int, frame: Any) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
@@ -501,12 +511,11 @@ def launch_with_elastic(plan: LaunchPlan) -> int:
     launch_error: str | None = None
     previous = {s: signal.signal(s, _raise_signal) for s in _HANDLED_SIGNALS}  # until elastic installs its own
     previous[FORWARDED_SIGNAL] = signal.signal(FORWARDED_SIGNAL, lambda signum, frame: observer.forward(signum))
-    for signum in held_signals.take():  # arrived while the launcher was starting
-        observer.forward(signum)
     handler = None
     shutdown_rdzv = True
     result: RunResult | None = None
     try:
+        _pass_on_held_signals(observer)  # arrived while the launcher was starting
         handler, spec_addr, spec_port = _rendezvous(plan)
         entrypoint, *args = plan.command
         spec = WorkerSpec(

@@ -1,11 +1,14 @@
-"""SIGUSR1 that reaches ``torchrig launch`` before its workers exist is held, then passed on.
+"""SIGUSR1 that reaches ``torchrig launch`` before its workers exist is held, then passed on;
+SIGTERM/SIGHUP then are held too, and no worker is started.
 
 Why: SIGUSR1's default action ends a process. A scheduler's preemption warning (Slurm
 ``--signal=USR1@T``) that arrived while the launcher was still importing, resolving its
 configuration or rendezvousing ended it with exit -10, no worker started, no checkpoint and no
 ``run_status.json``. So the entry points (``torchrig``, ``python -m torchrig.launch``) call
 :func:`hold` in their first lines, before any heavy import; :mod:`torchrig.launch.elastic` takes
-what was held (:func:`take`) and passes it on to the ranks as soon as they exist. A command that
+what was held (:func:`take`) and passes it on to the ranks as soon as they exist; a held stop
+signal (SIGTERM, SIGHUP: the job is being ended) means no worker starts and the launch exits
+128 + N with a ``run_status.json`` that says so (it died of the signal, and wrote nothing). A command that
 launches nothing (:func:`release`) gets the default action back, and what was held is raised
 again, so for it nothing changed.
 
@@ -18,11 +21,14 @@ import signal
 import threading
 from typing import Any
 
-#: The signal held: a warning the ranks answer (a preemption checkpoint), never a stop.
+#: The signal held and passed on: a warning the ranks answer (a preemption checkpoint), never a stop.
 HELD_SIGNAL = signal.SIGUSR1
+#: Stop requests held too: the launch then starts no worker and exits 128 + N with ``run_status.json``
+#: (SIGINT already is a ``KeyboardInterrupt``, handled by the launcher's entry point).
+HELD_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 _held: list[int] = []
-_previous: Any = None
+_previous: dict[int, Any] = {}
 _holding = False
 
 
@@ -35,8 +41,13 @@ def hold() -> None:
     global _previous, _holding
     if _holding or threading.current_thread() is not threading.main_thread():
         return
-    _previous = signal.signal(HELD_SIGNAL, _remember)
+    _previous = {signum: signal.signal(signum, _remember) for signum in (HELD_SIGNAL, *HELD_STOP_SIGNALS)}
     _holding = True
+
+
+def stop_requested() -> int | None:
+    """The first stop signal held (not taken), or None."""
+    return next((signum for signum in _held if signum != HELD_SIGNAL), None)
 
 
 def take() -> list[int]:
@@ -51,10 +62,11 @@ def release() -> None:
     global _holding
     if not _holding:
         return
-    signal.signal(HELD_SIGNAL, _previous if _previous is not None else signal.SIG_DFL)
+    for signum, previous in _previous.items():
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
     _holding = False
     for signum in take():
         signal.raise_signal(signum)
 
 
-__all__ = ["HELD_SIGNAL", "hold", "release", "take"]
+__all__ = ["HELD_SIGNAL", "HELD_STOP_SIGNALS", "hold", "release", "stop_requested", "take"]
