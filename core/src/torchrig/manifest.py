@@ -59,6 +59,10 @@ class PluginManifest:
     #: ``"cp"``, ``"pp"``); a run asking for any other axis > 1 is refused before launch, naming the
     #: strategies that declare it (docs/parallelism.md).
     parallelism_axes: ClassVar[tuple[str, ...]] = ()
+    #: Strategy: the style names a ``parallelism_config.tp_plan`` may use under it (its own vocabulary and
+    #: any it translates, e.g. transformers'); a plan naming another is refused before launch and again in
+    #: each worker, naming the entry and listing these. The core knows no style names of its own.
+    tp_styles: ClassVar[tuple[str, ...]] = ()
     #: A strategy that is the default when a job has several processes and names no strategy.
     default_for_distributed: ClassVar[bool] = False
     #: Public names this plugin provides as ``torchrig.<name>`` (``{"DeepSpeedPlugin":

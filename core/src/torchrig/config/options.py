@@ -292,8 +292,10 @@ class TorchDynamoPlugin:
 
 #: Every axis a ``parallelism_config`` may set, outermost first, as Accelerate and torchtitan name them.
 PARALLELISM_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-#: Tensor-parallel styles a ``tp_plan`` may name (torch.distributed.tensor.parallel's classes).
-#: Names, not objects, so that a plan can come from a file; docs/parallelism.md says what each does.
+#: torchrig's own tensor-parallel style names (torch.distributed.tensor.parallel's classes), for a
+#: strategy that builds a tp axis to declare (``PluginManifest.tp_styles``, with any names it translates).
+#: Which names a ``tp_plan`` may use is the selected strategy's declaration, checked in
+#: :mod:`torchrig.config.parallelism`; docs/parallelism.md says what each does.
 TP_STYLES = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "prepare_input_sp", "rowwise_sp",
              "embedding_sp", "output_sp")
 #: Pipeline schedules ``pp_schedule`` may name (torch.distributed.pipelining's classes, torchtitan's names).
@@ -310,10 +312,10 @@ def _tp_plan(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         return
     if not isinstance(value, dict):
         raise ValueError(f"expected a mapping of module-name patterns to styles, got {value!r}", attribute)
-    bad = {k: v for k, v in value.items() if v is not None and v not in TP_STYLES}
-    if bad:
+    bad = {k: v for k, v in value.items() if not isinstance(k, str) or not (v is None or isinstance(v, str))}
+    if bad:  # the names themselves are the selected strategy's to accept (parallelism_problems)
         pattern, style = next(iter(bad.items()))
-        raise ValueError(f"{pattern!r}: unknown style {style!r}; styles: {', '.join(TP_STYLES)} (or null: "
+        raise ValueError(f"{pattern!r}: {style!r}: expected a module-name pattern mapped to a style name (or null: "
                          "leave the module whole)", attribute)
 
 
@@ -353,8 +355,9 @@ class ParallelismConfig:
     cp_size: int = _size_option("cp", "context-parallel degree (GPU only)")
     pp_size: int = _size_option("pp", "pipeline stages")
     tp_plan: dict[str, str | None] | None = option(
-        None, help="tensor-parallel plan: module-name glob -> colwise, rowwise, embedding, output, or with sequence "
-        "parallel sequence_parallel, prepare_input_sp, rowwise_sp, embedding_sp, output_sp (null: leave whole); "
+        None, help="tensor-parallel plan: module-name glob -> a style the strategy declares (fsdp: colwise, rowwise, "
+        "embedding, output, with sequence parallel sequence_parallel, prepare_input_sp, rowwise_sp, embedding_sp, "
+        "output_sp, and transformers' names such as colwise_gather_output, embedding_rowwise) (null: leave whole); "
         "default: the model's own base_model_tp_plan", validator=_tp_plan)
     loss_parallel: bool = option(False, help="keep the output projection sharded over tp and compute the "
                                  "cross-entropy on the shards (torch's loss_parallel)")

@@ -61,10 +61,12 @@ def parallelism_problems(
     world_size: int | None,
     strategy: str | None,
     declared_axes: Mapping[str, tuple[str, ...]],
+    declared_tp_styles: Mapping[str, tuple[str, ...]] | None = None,
 ) -> list[Problem]:
     """Every problem of the resolved ``parallelism_config`` values: a product that does not match
-    the world size (when it is known), two ``-1`` axes, and axes > 1 that the selected strategy
-    does not declare (naming the strategies that do). ``where(key)`` gives a key's source."""
+    the world size (when it is known), two ``-1`` axes, axes > 1 that the selected strategy
+    does not declare (naming the strategies that do), and ``tp_plan`` styles it does not declare
+    (``declared_tp_styles``: strategy -> ``PluginManifest.tp_styles``). ``where(key)`` gives a key's source."""
     sizes = {axis: values.get(key_of(axis)) for axis in PARALLELISM_AXES}
     if not all(isinstance(size, int) for size in sizes.values()):
         return []  # a bad value is reported by the section's own validation
@@ -76,6 +78,9 @@ def parallelism_problems(
                 problems.append(Problem(f"{SECTION}.{key}", "has no effect with tp_size 1; set "
                                         f"{SECTION}.tp_size (or remove {key})", where(f"{SECTION}.{key}")))
     problems += _pipeline_problems(values, checked["pp"], where)
+    if strategy is not None and declared_tp_styles is not None:
+        problems += _tp_plan_problems(values.get(f"{SECTION}.tp_plan"), strategy, declared_tp_styles.get(strategy, ()),
+                                      where)
     if all(size == 1 for size in checked.values()):
         return problems  # no mesh asked for: the strategy's own layout applies
     resolved = checked
@@ -97,6 +102,19 @@ def parallelism_problems(
                 f"{axis}_size={size} but the strategy {strategy!r} does not build a {axis} axis (it declares "
                 f"{', '.join(supported) or 'none'}); {instead}"), where(key_of(axis))))
     return problems
+
+
+def _tp_plan_problems(plan: object, strategy: str, styles: tuple[str, ...],
+                      where: Callable[[str], str | None]) -> list[Problem]:
+    """Each ``tp_plan`` entry whose style the selected strategy does not declare, naming the entry
+    and listing the names it does declare (a strategy declaring none accepts no plan)."""
+    if not isinstance(plan, Mapping):
+        return []  # no plan, or a bad value the section's own validation reports
+    key = f"{SECTION}.tp_plan"
+    known = (f"styles the strategy {strategy!r} accepts: {', '.join(styles)}" if styles else
+             f"the strategy {strategy!r} declares no tensor-parallel styles")
+    return [Problem(key, f"{pattern!r}: unknown style {style!r}; {known} (or null: leave the module whole)", where(key))
+            for pattern, style in plan.items() if style is not None and style not in styles]
 
 
 def _pipeline_problems(values: Mapping[str, object], pp: int, where: Callable[[str], str | None]) -> list[Problem]:

@@ -280,7 +280,8 @@ def resolve_config(
     _cross_checks(values, winners, problems)
     problems += parallelism_problems(values, lambda key: _where(winners[key].source) if key in winners else None,
                                      world_size=world_size or values.get("num_processes"),
-                                     strategy=values.get("strategy"), declared_axes=_declared_axes(schema))
+                                     strategy=values.get("strategy"), declared_axes=_declared_axes(schema),
+                                     declared_tp_styles=_declared_tp_styles(schema))
 
     strict = bool(values.get("strict_config"))
     if strict:
@@ -517,6 +518,12 @@ def _cross_checks(values: Mapping[str, Any], winners: Mapping[str, Entry], probl
 def _declared_axes(schema: Schema) -> dict[str, tuple[str, ...]]:
     """``parallelism_config`` axes each installed strategy's manifest declares."""
     return {info.name: tuple(info.manifest.parallelism_axes) for info in schema.host.plugins("strategy")
+            if info.manifest is not None}
+
+
+def _declared_tp_styles(schema: Schema) -> dict[str, tuple[str, ...]]:
+    """``tp_plan`` style names each installed strategy's manifest declares."""
+    return {info.name: tuple(info.manifest.tp_styles) for info in schema.host.plugins("strategy")
             if info.manifest is not None}
 
 

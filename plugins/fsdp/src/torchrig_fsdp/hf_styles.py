@@ -7,7 +7,8 @@ is mapped here onto the torch style that shards and communicates the same way (r
 transformers 5.24's classes), onto torchrig's own style (:mod:`torchrig_fsdp.tp_styles`) where torch
 has none, or refused with the reason and what to do. A test compares this table's keys with
 ``ALL_PARALLEL_STYLES`` of the installed transformers, so a new style fails loudly instead of being
-applied wrongly; docs/parallelism.md's table is checked against :func:`describe`.
+applied wrongly; docs/parallelism.md's table is checked against :func:`describe`. The names alone, and
+the refusal reasons, live torch-free in :mod:`torchrig_fsdp.hf_style_names` (the manifest declares them).
 
 Nothing here imports transformers: a plan is names, and the names are all this module needs.
 """
@@ -28,12 +29,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchrig_fsdp import tp_styles
+from torchrig_fsdp.hf_style_names import REFUSED_STYLES
 from torchrig_fsdp.tp_styles import PlacementRule
-
-#: Expert parallelism (tokens dispatched to the rank holding their expert) is issue 37's.
-_EXPERT_PARALLEL = ("expert parallelism (experts placed on different ranks, tokens dispatched to them) is not "
-                    "built yet (torchrig issue 37); tensor-parallel MoE works: a plan with 'moe_tp_experts' "
-                    "splits every expert over tp")
 
 
 @dataclass(frozen=True)
@@ -89,12 +86,7 @@ TRANSFORMERS_STYLES: dict[str, StyleEntry] = {
     "moe_tp_experts": StyleEntry("torchrig ExpertsTensorParallel (every expert split, outputs summed)",
                                  tp_styles.ExpertsTensorParallel),
     "moe_identity_expert": StyleEntry("torchrig IdentityExpert (input / tp size)", tp_styles.IdentityExpert),
-    "mla_kv_a_proj": StyleEntry(
-        "refused", refused="multi-head latent attention's kv_a_proj_with_mqa (DeepSeek-V2 family) is not split by "
-        "torchrig yet; give parallelism_config.tp_plan without the attention projections, or "
-        "FullyShardedDataParallelPlugin(parallelize_fn=...)"),
-    "ep_dispatch_experts": StyleEntry("refused", refused=_EXPERT_PARALLEL),
-    "grouped_gemm": StyleEntry("refused", refused=_EXPERT_PARALLEL),
+    **{name: StyleEntry("refused", refused=reason) for name, reason in REFUSED_STYLES.items()},
 }
 
 

@@ -23,10 +23,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from torchrig.config.options import TP_STYLES
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
 from torchrig.markers import hookimpl
 from torchrig.types import CliFlag, ConfigProblem, ConfigSection
+
+from torchrig_fsdp.hf_style_names import REFUSED_STYLES, TRANSFORMERS_STYLE_NAMES
 
 if TYPE_CHECKING:
     from torchrig.memory import MemoryEstimate, MemoryRequest
@@ -46,6 +49,8 @@ class FSDPManifest(PluginManifest):
     requires = ()  # torch is a dependency of torchrig itself
     aliases = ("FSDP",)
     parallelism_axes = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the N-D mesh: torchrig_fsdp.mesh
+    # a tp_plan may use torchrig's names and transformers' (copied from a model's _tp_plan); hf_styles maps them
+    tp_styles = tuple(dict.fromkeys((*TP_STYLES, *TRANSFORMERS_STYLE_NAMES)))
     distributed_type = "FSDP"
     state_attribute = "fsdp_plugin"
     exports = {
@@ -137,6 +142,11 @@ def fsdp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
         problems.append(ConfigProblem("parallelism_config.async_tp", (
             "needs CUDA devices (its overlap uses symmetric-memory kernels torch has for CUDA only) but this run uses "
             "the CPU (use_cpu/device); set async_tp: false")))
+    plan = get("parallelism_config.tp_plan")
+    for pattern, style in (plan.items() if isinstance(plan, Mapping) else ()):
+        if style in REFUSED_STYLES:  # known names the runtime cannot honour: said before launch, not at prepare
+            problems.append(ConfigProblem("parallelism_config.tp_plan", (
+                f"{pattern!r}: style {style!r} is refused: {REFUSED_STYLES[style]}")))
     if get(f"{SECTION}.activation_checkpointing") and get(f"{SECTION}.auto_wrap_policy") == "NO_WRAP":
         problems.append(ConfigProblem(f"{SECTION}.activation_checkpointing", (
             "checkpoints each wrapped block, but auto_wrap_policy is NO_WRAP (no blocks); use TRANSFORMER_BASED_WRAP "

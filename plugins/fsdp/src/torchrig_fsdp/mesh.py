@@ -133,16 +133,16 @@ def resolve_plan(model: torch.nn.Module, plan: dict[str, Any], loss_parallel: bo
                  require_match: bool = True, own: bool = False) -> dict[str, Any]:
     """Module- (or parameter-) name globs -> ``{module name: ParallelStyle}``.
 
-    ``plan`` is the user's ``tp_plan`` (torchrig's style names, ``fnmatch`` globs: every pattern must
-    match a module unless ``require_match`` is False — a pipeline stage, the plan being checked on the
-    whole model first) or, ``own``, the model's own (transformers' names too,
+    ``plan`` is the user's ``tp_plan`` (torchrig's style names or transformers', ``fnmatch`` globs: every
+    pattern must match a module unless ``require_match`` is False — a pipeline stage, the plan being checked
+    on the whole model first) or, ``own``, the model's own (transformers' names,
     :data:`torchrig_fsdp.hf_styles.TRANSFORMERS_STYLES`; ``*`` is one segment; an entry for a module
     variant this config does not build matches nothing and is skipped, as transformers skips it —
     but some entry must match). An entry naming a parameter (transformers' expert weights) shards that
     parameter; its module's own entry must run on local shards. Unknown and refused styles are errors
     naming ``where``, the pattern, and what to do."""
     styles = torchrig_styles(loss_parallel)
-    table = hf_styles.TRANSFORMERS_STYLES if own else {}
+    table = hf_styles.TRANSFORMERS_STYLES  # a user's plan may be copied from a model's own (manifest: tp_styles)
     matches = _matches_by_segment if own else fnmatch.fnmatchcase
     modules = dict(model.named_modules())
     names = [name for name in modules if name]
