@@ -174,6 +174,12 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
         return declared_precision_type(self._run)
 
     @property
+    def scaler(self) -> Any:
+        """The GradScaler the training step goes through (fp16), or None when nothing scales the loss —
+        Accelerate's attribute, which scripts read to log the loss scale."""
+        return self._step_plan().loss_scaler
+
+    @property
     def state(self) -> AcceleratorState:
         """Accelerate's ``AcceleratorState`` view of this run."""
         return AcceleratorState._of(self._run)

@@ -93,6 +93,8 @@ class StepPlan:
     no_sync: Callable[[Any], Any]
     #: slot -> owner (``"core"``, ``"precision:fp16"``, ``"strategy:deepspeed"``...).
     owners: dict[str, str] = attrs.field(factory=dict, eq=False)
+    #: The GradScaler the steps go through, or None (Accelerate's ``accelerator.scaler``).
+    loss_scaler: Any = attrs.field(default=None, eq=False)
 
 
 class StepPlanBuilder:
@@ -125,7 +127,7 @@ class StepPlanBuilder:
         self._owners[slot] = owner or self.current_owner or "unknown"
 
     def build(self) -> StepPlan:
-        return StepPlan(**self._slots, owners=dict(self._owners))
+        return StepPlan(**self._slots, owners=dict(self._owners), loss_scaler=self.loss_scaler)
 
     @staticmethod
     def _check(slot: str) -> None:
