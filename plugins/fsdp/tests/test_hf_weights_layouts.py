@@ -8,7 +8,8 @@ own shards (counted slice by slice as they are read — on CPU the honest measur
 not see torch's allocations, and the resident size counts mmapped pages) with no single read
 larger than one of its local shards: no rank ever holds a full copy.
 
-Weights out: ``save_model`` from the same layouts, read back with transformers'
+Weights out: ``save_model`` from the same layouts, its files written by the ranks in parallel
+(each file by one rank, several ranks writing), read back with transformers'
 ``AutoModelForCausalLM.from_pretrained`` in the test process: bit-identical to the gathered full
 state. Every task has a hard timeout; the pool must leave no process behind.
 """
@@ -73,10 +74,10 @@ def _in_and_out(ctx, root: str, layout: str) -> dict:
             params = {name: _full(p) for name, p in model.named_parameters()}
             sharded = any(hasattr(p, "placements") for p in model.parameters())
             saved = os.path.join(root, f"saved-{layout}-{family}")
-            accelerator.save_model(prepared, saved, max_shard_size="40KB")
+            written = accelerator.save_model(prepared, saved, max_shard_size="40KB")
             results[family] = {"params": params, "bytes_read": loaded.bytes_read, "local_bytes": local_bytes(model),
                                "largest_read": loaded.largest_read, "largest_local": _largest_local(model),
-                               "sharded": sharded, "saved": saved,
+                               "sharded": sharded, "saved": saved, "written": written,
                                "tied": model.lm_head.weight is model.get_input_embeddings().weight}
             accelerator.free_memory()
     return results
@@ -107,6 +108,11 @@ def test_hf_weights_load_into_and_save_from_each_layout_bit_exactly(pool4, tmp_p
         saved = results[0][family]["saved"]
         assert os.path.exists(os.path.join(saved, "model.safetensors.index.json"))
         assert os.path.exists(os.path.join(saved, "config.json"))
+        # the ranks wrote the weights files in parallel: each file by one rank, more than one rank writing
+        files = sorted(name for name in os.listdir(saved) if name.endswith(".safetensors"))
+        writers = {name: [rank for rank, r in enumerate(results) if name in r[family]["written"]] for name in files}
+        assert all(len(ranks) == 1 for ranks in writers.values()), writers
+        assert len({ranks[0] for ranks in writers.values()}) > 1, writers
         loaded = transformers.AutoModelForCausalLM.from_pretrained(saved)
         gathered = results[0][family]["params"]
         got = dict(loaded.named_parameters())

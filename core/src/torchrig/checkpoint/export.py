@@ -60,7 +60,8 @@ def shard(state: Mapping[str, Any], max_bytes: int) -> list[dict[str, Any]]:
     return shards
 
 
-def _write_atomic(path: str, write: Any) -> None:
+def write_atomic(path: str, write: Any) -> None:
+    """``write(tmp)`` a temporary name beside ``path``, fsync it, rename it into place."""
     tmp = f"{path}.tmp-{secrets.token_hex(4)}"
     try:
         write(tmp)
@@ -105,9 +106,9 @@ def save_weights(state: Mapping[str, Any], directory: str, max_shard_size: int |
         if safe_serialization:
             from safetensors.torch import save_file
 
-            _write_atomic(path, lambda tmp, part=part: save_file(part, tmp, metadata=metadata))
+            write_atomic(path, lambda tmp, part=part: save_file(part, tmp, metadata=metadata))
         else:
-            _write_atomic(path, lambda tmp, part=part: torch.save(part, tmp))
+            write_atomic(path, lambda tmp, part=part: torch.save(part, tmp))
     written = list(names)
     index_path = os.path.join(directory, index_name)
     if len(shards) > 1:
@@ -122,7 +123,7 @@ def save_weights(state: Mapping[str, Any], directory: str, max_shard_size: int |
                 json.dump(index, handle, indent=2)
                 handle.write("\n")
 
-        _write_atomic(index_path, write_index)
+        write_atomic(index_path, write_index)
         written.append(index_name)
     elif os.path.exists(index_path):
         os.unlink(index_path)  # an earlier sharded save's index would point at stale shards
@@ -166,10 +167,10 @@ def save_object(obj: Any, path: str, safe_serialization: bool = False) -> None:
             raise TypeError("save(..., safe_serialization=True) needs a mapping of names to tensors")
         tensors, aliases = split_aliases({k: v.detach().to("cpu").contiguous() for k, v in obj.items()})
         metadata = {"format": "pt", **({ALIASES_KEY: json.dumps(aliases)} if aliases else {})}
-        _write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     else:
-        _write_atomic(path, lambda tmp: torch.save(obj, tmp))
+        write_atomic(path, lambda tmp: torch.save(obj, tmp))
     fsync_path(directory)
 
 
-__all__ = ["parse_size", "save_object", "save_pretrained_files", "save_weights", "shard"]
+__all__ = ["parse_size", "save_object", "save_pretrained_files", "save_weights", "shard", "write_atomic"]
