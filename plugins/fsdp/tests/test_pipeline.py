@@ -210,10 +210,12 @@ def _refused(ctx) -> dict:
 
     messages = {}
     with rank_environment(ctx.rank, ctx.world_size):
-        try:
-            Accelerator(cpu=True, strategy="fsdp", parallelism_config={"pp_size": 2})
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config={"pp_size": 2})
+        try:  # judged at prepare: a model may declare its own pipeline plan (transformers' base_model_pp_plan)
+            accelerator.prepare(PipeLM())
         except ConfigError as exc:
             messages["no split"] = str(exc)
+        accelerator.free_memory()
         accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=GPIPE)
         model = accelerator.prepare(PipeLM())
         tokens, labels = make_data(4)[:]
@@ -228,8 +230,8 @@ def _refused(ctx) -> dict:
 
 def test_a_pipeline_without_a_split_a_forward_without_target_and_an_uneven_batch_are_refused(pools):
     for messages in pools(2).run(_refused, timeout=TIMEOUT):
-        assert "parallelism_config.pp_split_points: pp_size is 2 but nothing says where to split the model" in \
-            messages["no split"]
+        assert "parallelism_config.pp_split_points: pp_size is 2 but nothing says where to split PipeLM into " \
+            "stages (and it declares no base_model_pp_plan" in messages["no split"]
         assert "call model(inputs, target=labels)" in messages["no target"]
         assert "pp_microbatches: the batch of 3 samples does not split into 2 micro-batches" in messages["uneven"]
 

@@ -119,8 +119,9 @@ def _tp_plan_problems(plan: object, strategy: str, styles: tuple[str, ...],
 
 def _pipeline_problems(values: Mapping[str, object], pp: int, where: Callable[[str], str | None]) -> list[Problem]:
     """Pipeline keys without a pipeline (refused rather than ignored), and split points that do not
-    make ``pp_size`` stages. A pipeline with no split at all is refused by the strategy at start:
-    ``pp_split_fn`` is Python-only, so the launcher cannot see it."""
+    make ``pp_size`` stages. A pipeline with no split at all is the strategy's to judge at ``prepare``:
+    ``pp_split_fn`` is Python-only, so the launcher cannot see it, and the model may declare its own
+    pipeline plan (docs/parallelism.md)."""
     problems = []
     if pp == 1:
         for key in ("pp_split_points", "pp_split_fn", "pp_microbatches", "pp_loss_fn"):

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torchrig.errors import ConfigError
 
+from torchrig_fsdp import pp_plan
+
 SPLIT_KEY = "parallelism_config.pp_split_points"
 INTERLEAVED = "Interleaved1F1B"
 #: Containers whose children are split units (a stage may take some layers of a list).
@@ -123,18 +125,16 @@ def stage_view(model: torch.nn.Module, owner: dict[str, int], stage: int) -> tor
 
 
 def _no_split(num_stages: int, what: str) -> str:
-    return (f"{SPLIT_KEY}: pp_size is {num_stages} but nothing says where to split {what} into stages; set "
-            f"{SPLIT_KEY} (e.g. [layers.2]: the module each later stage begins with) or pass "
-            "ParallelismConfig(pp_split_fn=...)")
+    return (f"{SPLIT_KEY}: pp_size is {num_stages} but nothing says where to split {what} into stages (and it "
+            f"declares no base_model_pp_plan, as transformers models do); set {SPLIT_KEY} (e.g. [layers.2]: the "
+            "module each later stage begins with) or pass ParallelismConfig(pp_split_fn=...)")
 
 
 def check(config: Any, options: Any) -> None:
-    """Refused when the run starts (``pp_split_fn`` is Python-only, so the launcher cannot see it):
-    no split, and options a pipeline cannot honour. ``config``: the ``ParallelismConfig``,
-    ``options``: the ``fsdp_config``."""
+    """Refused when the run starts: options a pipeline cannot honour. ``config``: the
+    ``ParallelismConfig``, ``options``: the ``fsdp_config``. A missing split is judged at ``prepare``,
+    where the model is known (its own ``base_model_pp_plan`` may split it, :mod:`torchrig_fsdp.pp_plan`)."""
     problems = []
-    if not config.pp_split_points and config.pp_split_fn is None:
-        problems.append(_no_split(config.pp_size, "the model"))
     if options.cpu_ram_efficient_loading:
         problems.append("fsdp_config.cpu_ram_efficient_loading: not supported with pipeline parallelism "
                         "(parallelism_config.pp_size > 1): each stage holds other weights than rank 0's")
@@ -167,7 +167,17 @@ def build_rank(model: torch.nn.Module, pp_rank: int, pp_size: int, schedule: str
                split_fn: Any) -> tuple[torch.nn.Module, list[tuple[int, torch.nn.Module]], int]:
     """This ``pp`` rank's part of the model: (the module holding its stages, under the original
     names; ``[(stage index, stage module)]``; the number of stages). One stage per rank, except
-    with ``Interleaved1F1B``: stages ``pp_rank``, ``pp_rank + pp_size``, ... (torch's loop order)."""
+    with ``Interleaved1F1B``: stages ``pp_rank``, ``pp_rank + pp_size``, ... (torch's loop order).
+    Neither split points nor a split function: the model's own pipeline plan, if it declares one."""
+    if split_fn is None and not split_points:
+        if schedule == INTERLEAVED and pp_plan.find_plan(model) is not None:
+            raise ConfigError([f"{SPLIT_KEY}: pp_schedule {INTERLEAVED} puts several stages on each rank, but the "
+                               f"split from {type(model).__name__}'s base_model_pp_plan makes one per rank; use 1F1B "
+                               "or GPipe, or give the stages as split points"])
+        derived = pp_plan.split_by_plan(model, pp_rank, pp_size)
+        if derived is not None:
+            module, stage = derived
+            return module, [(pp_rank, stage)], pp_size
     if schedule != INTERLEAVED:
         module = build_stage(model, pp_rank, pp_size, split_points, split_fn)
         return module, [(pp_rank, module)], pp_size

@@ -1,0 +1,158 @@
+"""Pipeline stages from a transformers model's own pipeline plan, when the user gives no split.
+
+transformers 5.x models declare ``config.base_model_pp_plan`` (Llama: ``embed_tokens``, ``layers``,
+``norm``, in forward order, relative to the base model ``base_model_prefix``) and ``_pp_plan`` on the
+head model (``lm_head``). With ``pp_size > 1`` and neither ``pp_split_points`` nor ``pp_split_fn``,
+the plan's layer list is split evenly into ``pp_size`` stages: the entries before it on the first
+stage, those after it and the head's on the last. A stage is the model with the other stages' layers
+deleted (names kept, as :mod:`torchrig_fsdp.pipeline` does) and the other stages' plan entries
+replaced by ``nn.Identity`` — the base model's forward calls them unconditionally, and an identity
+holds no state, so state dicts keep the unsplit model's keys.
+
+Why a stage module around the model (:class:`PlanStage`): the model's own forward still runs on every
+stage (rotary embeddings and the causal mask are computed there from the stage's input), fed the token
+ids on the first stage and the previous stage's hidden states as ``inputs_embeds`` on the others —
+which is why only the token ids are taken (an ``attention_mask`` would reach the first stage alone),
+and why a model whose forward transformed ``inputs_embeds`` outside its plan's entries could not be
+split this way. Llama, Qwen3, Gemma (untied), GPT-NeoX and Qwen3-MoE of transformers 5.24 compose
+exactly (tested); tied embeddings cannot be split across stages and are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchrig.errors import ConfigError
+from torchrig.logging import get_logger
+
+logger = get_logger(__name__)
+
+SPLIT_KEY = "parallelism_config.pp_split_points"
+_INSTEAD = "give parallelism_config.pp_split_fn (Python) or pp_split_points"
+
+
+def find_plan(model: torch.nn.Module) -> tuple[str, dict[str, Any], list[str]] | None:
+    """``(base prefix, base_model_pp_plan, head entries)`` of a transformers model, or None: the base
+    model's plan from its config (its keys relative to ``base_model_prefix`` when ``model`` is a head
+    model), and the head model's own ``_pp_plan`` keys (``lm_head``)."""
+    plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
+    if not isinstance(plan, dict) or not plan:
+        return None
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not isinstance(getattr(model, prefix, None) if prefix else None, torch.nn.Module):
+        prefix = ""  # the model is the base model itself
+    # an instance's _pp_plan also holds the base model's entries, prefixed: only the head's own are new here
+    heads = [key for key in (getattr(model, "_pp_plan", None) or {})
+             if prefix and key != prefix and not key.startswith(f"{prefix}.")]
+    return prefix, plan, heads
+
+
+def layer_bounds(layers: int, stages: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each stage's layers: even, the first stages taking one more when uneven."""
+    size, extra = divmod(layers, stages)
+    bounds, start = [], 0
+    for stage in range(stages):
+        stop = start + size + (1 if stage < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _name(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _tied_across(model: torch.nn.Module, owner: dict[str, int]) -> list[str]:
+    """Parameters one module shares with a module of another stage (tied embeddings)."""
+    holders: dict[int, list[str]] = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(model.get_parameter(name)), []).append(name)
+    problems = []
+    for names in holders.values():
+        stages = {next((s for unit, s in owner.items() if n == unit or n.startswith(unit + ".")), None) for n in names}
+        if len(names) > 1 and len(stages) > 1:
+            problems.append(f"{SPLIT_KEY}: {' and '.join(names)} are one tied parameter (tie_word_embeddings) but "
+                            "the pipeline split from the model's base_model_pp_plan puts them on different stages; "
+                            "build the model with tie_word_embeddings=False, or " + _INSTEAD)
+    return problems
+
+
+def split_by_plan(model: torch.nn.Module, stage: int, num_stages: int) -> tuple[torch.nn.Module, PlanStage] | None:
+    """``(the rank's module, names kept; its stage module)`` for ``stage``, cut by the model's own
+    pipeline plan; None when the model declares none. Refused by name: a plan without exactly one
+    layer list, more stages than layers, a parameter tied across stages."""
+    found = find_plan(model)
+    if found is None:
+        return None
+    prefix, plan, heads = found
+    base = model.get_submodule(prefix) if prefix else model
+    cls = type(model).__name__
+    lists = [key for key in plan if isinstance(getattr(base, key, None), torch.nn.ModuleList)]
+    if len(lists) != 1:
+        raise ConfigError([f"{SPLIT_KEY}: {cls}'s base_model_pp_plan ({', '.join(plan)}) has {len(lists)} layer "
+                           f"lists (ModuleList entries), not one, so torchrig cannot split it evenly; {_INSTEAD}"])
+    (layers_key,) = lists
+    layers = getattr(base, layers_key)
+    count = len(layers)
+    if count < num_stages:
+        raise ConfigError([f"parallelism_config.pp_size: pp_size is {num_stages} but {cls} has {count} layers "
+                           f"({_name(prefix, layers_key)}), so a stage would be empty (split from its "
+                           f"base_model_pp_plan); use a pp_size of at most {count}"])
+    position = list(plan).index(layers_key)
+    before = [_name(prefix, key) for key in list(plan)[:position]]
+    after = [_name(prefix, key) for key in list(plan)[position + 1:]] + heads
+    bounds = layer_bounds(count, num_stages)
+    layer_names = [_name(prefix, f"{layers_key}.{key}") for key in layers._modules]
+    owner = {name: 0 for name in before} | {name: num_stages - 1 for name in after}
+    for index, (start, stop) in enumerate(bounds):
+        owner.update({name: index for name in layer_names[start:stop]})
+    problems = _tied_across(model, owner)
+    if problems:
+        raise ConfigError(problems)
+    described = [", ".join([*(before if index == 0 else []), _span(prefix, layers_key, bounds[index]),
+                            *(after if index == num_stages - 1 else [])]) for index in range(num_stages)]
+    logger.info(f"pipeline split of {cls} from its base_model_pp_plan (no pp_split_points or pp_split_fn given): "
+                + "; ".join(f"stage {index}: {text}" for index, text in enumerate(described)))
+    start, stop = bounds[stage]
+    for key in [key for i, key in enumerate(list(layers._modules)) if not start <= i < stop]:
+        del layers._modules[key]  # the others keep their indices
+    for name in (before if stage != 0 else []) + (after if stage != num_stages - 1 else []):
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attribute, torch.nn.Identity())
+    return model, PlanStage(model, first=stage == 0)
+
+
+def _span(prefix: str, layers_key: str, bounds: tuple[int, int]) -> str:
+    """``model.layers.0-1`` (or ``model.layers.2`` for one layer): a stage's layers, for the log."""
+    start, stop = bounds
+    return _name(prefix, f"{layers_key}.{start}" if stop - start == 1 else f"{layers_key}.{start}-{stop - 1}")
+
+
+class PlanStage(torch.nn.Module):
+    """One pipeline stage of a model split by its own plan: calls the model (registered as ``model``,
+    so ``fully_shard`` of the stage covers it) with the token ids on the first stage and the previous
+    stage's hidden states as ``inputs_embeds`` on the others, and returns a tensor: the hidden
+    states, or the logits on the last stage (its ``lm_head`` is the model's; on the others an identity)."""
+
+    def __init__(self, model: torch.nn.Module, first: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.first = first
+
+    def forward(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if kwargs:
+            raise ValueError(f"a transformers model pipelined from its base_model_pp_plan takes the token ids alone: "
+                             f"{', '.join(kwargs)} would reach the first stage only (they are not passed between "
+                             "stages); call model(input_ids, target=labels), or split with parallelism_config."
+                             "pp_split_fn")
+        key = "input_ids" if self.first else "inputs_embeds"
+        output = self.model(**{key: inputs, "use_cache": False})
+        for field in ("logits", "last_hidden_state"):
+            value = getattr(output, field, None)
+            if isinstance(value, torch.Tensor):
+                return value
+        return output[0] if isinstance(output, (tuple, list)) else output
+
+
+__all__ = ["PlanStage", "find_plan", "layer_bounds", "split_by_plan"]

@@ -1,0 +1,175 @@
+"""Pipeline stages from a transformers model's own ``base_model_pp_plan`` when the user gives neither
+``pp_split_points`` nor ``pp_split_fn``: the plan's layer list split evenly into ``pp_size`` stages
+(embeddings on the first, the final norm and ``lm_head`` on the last), names kept, the split logged;
+more stages than layers, tied embeddings across stages and extra forward inputs refused by name. A tiny
+transformers Llama (4 layers) trained under PP 2 on 2 gloo ranks matches one process (every step's
+loss and every parameter)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+import torch
+from torchrig.errors import ConfigError
+from torchrig.testing.contracts import rank_environment
+from torchrig.testing.pool import checked_pool
+from torchrig_fsdp import pp_plan
+from torchrig_fsdp.pipeline import build_rank
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
+from hf_models import SEQ, build, make_data  # noqa: E402
+
+TIMEOUT = 300
+LAYERS, STEPS, PER_RANK, LR, CLIP = 4, 2, 4, 1e-2, 1.0
+
+
+def _llama(**overrides):
+    return build("llama", num_hidden_layers=LAYERS, **overrides)
+
+
+def _split(model, rank: int, size: int = 2):
+    return build_rank(model, rank, size, "1F1B", None, None)
+
+
+def test_the_split_follows_the_models_pp_plan_names_kept(caplog):
+    whole = _llama()
+    keys = set(whole.state_dict())
+    with caplog.at_level(logging.INFO):
+        first_module, [(index, first)], stages = _split(_llama(), 0)
+    assert (index, stages) == (0, 2)
+    assert "model.embed_tokens, model.layers.0-1" in caplog.text
+    assert "model.layers.2-3, model.norm, lm_head" in caplog.text
+    _, [(index, last)], _ = _split(_llama(), 1)
+    assert index == 1
+    last_module = last.model
+    first_keys, last_keys = set(first_module.state_dict()), set(last_module.state_dict())
+    assert first_keys | last_keys == keys and not first_keys & last_keys  # the unsplit model's names, each once
+    assert {k for k in first_keys if not k.startswith("model.layers.")} == {"model.embed_tokens.weight"}
+    assert {".".join(k.split(".")[:3]) for k in last_keys if k.startswith("model.layers.")} == \
+        {"model.layers.2", "model.layers.3"}
+    assert {k for k in last_keys if not k.startswith("model.layers.")} == {"model.norm.weight", "lm_head.weight"}
+    # the stages compose to the whole model
+    tokens = torch.randint(0, 128, (2, SEQ))
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(tokens)), whole(input_ids=tokens).logits)
+
+
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("qwen3", {}), ("gemma", {"tie_word_embeddings": False}), ("gpt_neox", {}), ("qwen3_moe", {})])
+def test_the_stages_of_each_family_compose_to_the_whole_model(family, overrides):
+    """Each family's forward computes rotary embeddings and the causal mask from what a stage receives,
+    so the stages split from its own plan, run in turn, give the whole model's logits."""
+    whole = build(family, num_hidden_layers=LAYERS, **overrides)
+    stages = [build_rank(build(family, num_hidden_layers=LAYERS, **overrides), rank, 2, "1F1B", None, None)[1][0][1]
+              for rank in range(2)]
+    tokens = torch.randint(0, 128, (2, SEQ))
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](tokens)), whole(input_ids=tokens).logits)
+
+
+def test_layers_split_evenly_and_uneven_counts_go_to_the_first_stages():
+    assert pp_plan.layer_bounds(4, 2) == [(0, 2), (2, 4)]
+    assert pp_plan.layer_bounds(5, 2) == [(0, 3), (3, 5)]
+    assert pp_plan.layer_bounds(3, 3) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_more_stages_than_layers_is_refused_naming_the_counts():
+    with pytest.raises(ConfigError) as excinfo:
+        _split(build("llama"), 0, 3)  # 2 layers
+    text = "\n".join(excinfo.value.problems)
+    assert "pp_size is 3 but LlamaForCausalLM has 2 layers (model.layers)" in text
+    assert "a stage would be empty" in text and "parallelism_config.pp_size" in text
+
+
+def test_tied_embeddings_across_stages_are_refused_by_name():
+    with pytest.raises(ConfigError) as excinfo:
+        _split(build("llama_tied", num_hidden_layers=LAYERS), 0)
+    text = "\n".join(excinfo.value.problems)
+    assert "model.embed_tokens.weight and lm_head.weight" in text and "tie_word_embeddings=False" in text
+
+
+def test_a_stage_takes_the_token_ids_alone():
+    _, [(_, first)], _ = _split(_llama(), 0)
+    with pytest.raises(ValueError, match="attention_mask.*not passed between stages"):
+        first(torch.randint(0, 128, (2, SEQ)), attention_mask=torch.ones(2, SEQ))
+
+
+def test_a_model_without_a_pp_plan_still_needs_a_split():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="nothing says where to split Sequential.*base_model_pp_plan"):
+        _split(model, 0)
+
+
+# -- training on 2 gloo ranks -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with checked_pool(2, env={"OMP_NUM_THREADS": "1"}) as workers:
+        yield workers
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float().cpu()
+
+
+def _batches():
+    (tokens,) = make_data(STEPS * PER_RANK)[:]
+    return [(tokens[i:i + PER_RANK, :-1], tokens[i:i + PER_RANK, 1:]) for i in range(0, len(tokens), PER_RANK)]
+
+
+def _train_pp(ctx) -> dict:
+    from torchrig import Accelerator
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config={"pp_size": 2})
+        model = _llama()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        losses = []
+        for inputs, labels in _batches():
+            loss = model(inputs, target=labels)
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        plain = accelerator.unwrap_model(model)
+        result = {"losses": losses, "params": {n: _full(p) for n, p in plain.named_parameters()}}
+        accelerator.free_memory()
+        return result
+
+
+def _reference() -> dict:
+    model = _llama()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for inputs, labels in _batches():
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "initial": initial, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.multiprocess
+def test_a_transformers_llama_trains_under_pp2_from_its_own_plan_like_one_process(pool2):
+    results = pool2.run(_train_pp, timeout=TIMEOUT)
+    reference = _reference()
+    trained: dict[str, torch.Tensor] = {}
+    for result in results:
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-5)
+        assert not trained.keys() & result["params"].keys()  # each parameter on one stage
+        trained.update(result["params"])
+    assert trained.keys() == reference["params"].keys()
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(trained[name], expected, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        assert not torch.equal(expected, reference["initial"][name]), f"{name} did not train"
