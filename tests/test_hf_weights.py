@@ -149,3 +149,21 @@ def test_a_directory_without_safetensors_weights_is_an_error_naming_it(tmp_path)
 
     with pytest.raises(CheckpointError, match=r"neither model\.safetensors\.index\.json nor model\.safetensors"):
         _accelerator().load_pretrained_weights(build("llama"), tmp_path)
+
+
+def test_a_moe_model_round_trips_through_save_model_and_per_expert_files_are_refused_by_name(tmp_path):
+    from torchrig.checkpoint.files import CheckpointError
+
+    accelerator = _accelerator()
+    model = build("qwen3_moe", seed=12)
+    accelerator.save_model(model, tmp_path / "saved")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    _assert_same_parameters(loaded, model)
+    fresh = build("qwen3_moe", seed=13)
+    accelerator.load_pretrained_weights(fresh, tmp_path / "saved")
+    _assert_same_parameters(fresh, model)
+    # save_pretrained stores the experts one by one (transformers converts them on load): named, with the remedy
+    model.save_pretrained(tmp_path / "per_expert")
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj'.*"
+                                              r"'model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight'.*from_pretrained"):
+        accelerator.load_pretrained_weights(build("qwen3_moe", seed=13), tmp_path / "per_expert")

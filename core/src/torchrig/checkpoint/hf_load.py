@@ -173,9 +173,12 @@ def load_pretrained_weights(model: torch.nn.Module, path: str | os.PathLike, str
             parts.append(f"missing from the files (the model has them): {_listed(missing)}")
         if unexpected:
             parts.append(f"unexpected (in the files, not in the model): {_listed(unexpected)}")
+        converted = (" Both lists: the files may store the weights in another layout that transformers converts on "
+                     "load (e.g. MoE experts stored one by one, fused in the model), which is not applied here — "
+                     "load such files with from_pretrained before prepare." if missing and unexpected else "")
         raise CheckpointError(f"load_pretrained_weights({path}): {'; '.join(parts)}. The names are transformers' "
                               f"(wrapper segments removed, tied weights once); pass strict=False to load the keys "
-                              "both have")
+                              f"both have.{converted}")
     wrong = {key: (file_shapes[key], _global_shape(state[key])) for key in mine & set(file_shapes)
              if isinstance(state[key], torch.Tensor) and file_shapes[key] != _global_shape(state[key])}
     if wrong:
