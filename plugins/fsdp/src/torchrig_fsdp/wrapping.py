@@ -1,19 +1,26 @@
 """Which submodules get their own ``fully_shard`` (``auto_wrap_policy``: Hugging Face's
-``_no_split_modules``, named classes, torch's size-based rule, or an FSDP1-style callable), and
-activation checkpointing of those blocks."""
+``_no_split_modules``, named classes, torch's size-based rule, or an FSDP1-style callable),
+activation checkpointing of those blocks, and the tensor-parallel plan of a model wrapped by LoRA
+adapters (peft renames the layers a plan names, so the plan must follow them: :func:`adapter_tp_plan`)."""
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchrig.config.resolve import Layer
+from torchrig.errors import ConfigError
 from torchrig.run import RunContext
 
+from torchrig_fsdp import hf_styles
+from torchrig_fsdp import mesh as mesh_module
 from torchrig_fsdp.explain import FSDPConfigError, noted
 from torchrig_fsdp.manifest import SECTION
+from torchrig_fsdp.mesh import model_plan, torchrig_styles
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
 
@@ -128,4 +135,118 @@ def checkpoint_forward(block: torch.nn.Module) -> None:
     block.forward = checkpointed
 
 
-__all__ = ["as_modules", "checkpoint_forward", "wrap_blocks", "written_by_operator"]
+def _lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """peft's LoRA layers by name, recognised by their shape (a ``base_layer`` and ``lora_A``/``lora_B``
+    module dicts), so the plugin needs no peft import."""
+    return {name: module for name, module in model.named_modules()
+            if isinstance(getattr(module, "base_layer", None), torch.nn.Module)
+            and isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict)
+            and isinstance(getattr(module, "lora_B", None), torch.nn.ModuleDict)}
+
+
+def _declares_plan(module: torch.nn.Module) -> bool:
+    """The module holds a plan itself (transformers' ``_tp_plan`` or its config's ``base_model_tp_plan``), not
+    through a wrapper's attribute forwarding (peft's ``PeftModel`` answers its base model's attributes)."""
+    own = vars(module)
+    config = own.get("config")
+    return (any("_tp_plan" in vars(k) for k in type(module).__mro__) or "_tp_plan" in own
+            or bool(getattr(config, "base_model_tp_plan", None)))
+
+
+def _plan_owner(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """The outermost module that declares a plan itself, and its name."""
+    return next(((name, module) for name, module in model.named_modules() if _declares_plan(module)), None)
+
+
+def _split_side(style: Any) -> str | None:
+    """``"output"`` for a column-wise style (output features split), ``"input"`` for a row-wise one."""
+    own = torchrig_styles(loss_parallel=False)
+    entry = hf_styles.TRANSFORMERS_STYLES.get(style)
+    if style in own:
+        style = own[style]
+    elif entry is not None and entry.module is not None:
+        style = entry.module()
+    if isinstance(style, ColwiseParallel):
+        return "output"
+    if isinstance(style, RowwiseParallel):
+        return "input"
+    return None
+
+
+def _segments_match(name: str, pattern: str) -> bool:
+    names, patterns = name.split("."), pattern.split(".")
+    return len(names) == len(patterns) and all(map(fnmatch.fnmatchcase, names, patterns))
+
+
+def adapter_tp_plan(model: torch.nn.Module, plan: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The tensor-parallel plan for a model with LoRA adapters (peft), or ``plan`` unchanged without any.
+
+    peft wraps the model (``base_model.model.`` in front of every name) and replaces each adapted layer
+    by a LoRA layer holding the original as ``base_layer``: the model's own plan (found on the wrapped
+    model when ``plan`` is None) matches nothing any more, and a column-/row-wise style cannot split a
+    LoRA layer. Each entry is made relative to the wrapper, and an entry matching LoRA layers becomes
+    exact entries: the original layer under its style, the adapter on the split side under the same
+    style (column-wise: ``lora_B`` produces the local output columns; row-wise: ``lora_A`` reads the
+    local input columns and its output is summed), the other adapter whole on every rank. A LoRA layer
+    under any other style (an embedding, a packed projection) is refused naming it."""
+    layers = _lora_layers(model)
+    owner = _plan_owner(model)
+    if not layers or owner is None:
+        return plan
+    base = f"{owner[0]}." if owner[0] else ""
+    if plan is None:
+        plan = {base + key: style for key, style in (model_plan(owner[1]) or {}).items()}
+    modules = [name for name, _ in model.named_modules() if name]
+    rewritten: dict[str, Any] = {}
+    problems = []
+    for pattern, style in plan.items():
+        full = next((prefix + pattern for prefix in ("", base) if any(_segments_match(n, prefix + pattern) for n in modules)),
+                    pattern)
+        matched = [name for name in modules if _segments_match(name, full)]
+        adapted = [name for name in matched if name in layers]
+        if not adapted:
+            rewritten[full] = style
+            continue
+        side = _split_side(style)
+        for name in matched:
+            if name not in layers:
+                rewritten[name] = style
+            elif side is None or not len(layers[name].lora_A):
+                problems.append(f"tensor-parallel plan: {pattern!r}: {name!r} is a LoRA layer (peft) under style {style!r}; "
+                                "torchrig splits LoRA layers only under column- or row-wise styles: leave this layer "
+                                "out of LoraConfig.target_modules or give parallelism_config.tp_plan without it")
+            else:
+                rewritten[f"{name}.base_layer"] = style
+                for adapter in (layers[name].lora_B if side == "output" else layers[name].lora_A):
+                    rewritten[f"{name}.{'lora_B' if side == 'output' else 'lora_A'}.{adapter}"] = style
+    if problems:
+        raise ConfigError(problems)
+    return rewritten
+
+
+def apply_tensor_parallel(run: RunContext, model: torch.nn.Module, mesh: Any, parallelize_fn: Any,
+                          require_match: bool = True) -> None:
+    """:func:`torchrig_fsdp.mesh.apply_tensor_parallel`, with the plan made to follow LoRA adapters first
+    (:func:`adapter_tp_plan`) when the model has some and no ``parallelize_fn`` is given: the head counts are
+    checked on the adapted projections' names and tied parameters tied again, as for any plan."""
+    config = mesh_module.parallelism(run)
+    tp = mesh_module.tp_mesh(mesh)
+    if parallelize_fn is not None or tp is None or not _lora_layers(model):
+        mesh_module.apply_tensor_parallel(run, model, mesh, parallelize_fn, require_match)
+        return
+    where = f"{type(model).__name__}'s tensor-parallel plan, following its LoRA adapters"
+    plan = adapter_tp_plan(model, config.tp_plan)
+    if not plan:
+        raise ConfigError([f"parallelism_config.tp_plan: tp_size is {tp.size()} but no plan says which modules to "
+                           f"split and the model wrapped by {type(model).__name__} declares none; set tp_plan"])
+    resolved = mesh_module.resolve_plan(model, plan, config.loss_parallel, where, require_match)
+    layers = [name.removesuffix(".base_layer") for name in resolved]
+    problems = hf_styles.check_heads_divide(model, layers, tp.size())
+    if problems:
+        raise ConfigError(problems)
+    tied = mesh_module._tied_parameters(model)
+    parallelize_module(model, tp, resolved)
+    mesh_module._retie(model, tied, where)
+
+
+__all__ = ["adapter_tp_plan", "apply_tensor_parallel", "as_modules", "checkpoint_forward", "wrap_blocks", "written_by_operator"]
