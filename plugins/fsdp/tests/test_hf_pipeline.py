@@ -117,21 +117,22 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float().cpu()
 
 
-def _batches():
-    (tokens,) = make_data(STEPS * PER_RANK)[:]
-    return [(tokens[i:i + PER_RANK, :-1], tokens[i:i + PER_RANK, 1:]) for i in range(0, len(tokens), PER_RANK)]
+def _data(samples: int) -> torch.utils.data.TensorDataset:
+    (tokens,) = make_data(samples)[:]
+    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def _train_pp(ctx) -> dict:
+def _train_pp(ctx, parallelism: dict, dp_size: int) -> dict:
     from torchrig import Accelerator
 
     with rank_environment(ctx.rank, ctx.world_size):
-        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config={"pp_size": 2})
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism)
         model = _llama()
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        model, optimizer = accelerator.prepare(model, optimizer)
+        loader = torch.utils.data.DataLoader(_data(STEPS * PER_RANK * dp_size), batch_size=PER_RANK)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         losses = []
-        for inputs, labels in _batches():
+        for inputs, labels in loader:
             loss = model(inputs, target=labels)
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(model.parameters(), CLIP)
@@ -139,17 +140,19 @@ def _train_pp(ctx) -> dict:
             optimizer.zero_grad()
             losses.append(float(loss))
         plain = accelerator.unwrap_model(model)
-        result = {"losses": losses, "params": {n: _full(p) for n, p in plain.named_parameters()}}
+        result = {"losses": losses, "params": {n: _full(p) for n, p in plain.named_parameters()},
+                  "sharded": sorted(n for n, p in plain.named_parameters() if hasattr(p, "placements"))}
         accelerator.free_memory()
         return result
 
 
-def _reference() -> dict:
+def _reference(dp_size: int = 1) -> dict:
+    """One process, every data-parallel rank's batch of a step concatenated (same seed, same data)."""
     model = _llama()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for inputs, labels in _batches():
+    for inputs, labels in torch.utils.data.DataLoader(_data(STEPS * PER_RANK * dp_size), batch_size=PER_RANK * dp_size):
         logits = model(input_ids=inputs).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
@@ -160,16 +163,37 @@ def _reference() -> dict:
     return {"losses": losses, "initial": initial, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-@pytest.mark.multiprocess
-def test_a_transformers_llama_trains_under_pp2_from_its_own_plan_like_one_process(pool2):
-    results = pool2.run(_train_pp, timeout=TIMEOUT)
-    reference = _reference()
+def _check(results: list[dict], dp_size: int) -> None:
+    reference = _reference(dp_size)
     trained: dict[str, torch.Tensor] = {}
     for result in results:
-        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-5)
-        assert not trained.keys() & result["params"].keys()  # each parameter on one stage
+        if dp_size == 1:
+            assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-5)
         trained.update(result["params"])
+    for step, expected in enumerate(reference["losses"]):  # the mean over the data-parallel ranks
+        mean = sum(result["losses"][step] for result in results) / len(results)
+        assert mean == pytest.approx(expected, rel=1e-4, abs=1e-5), step
     assert trained.keys() == reference["params"].keys()
     for name, expected in reference["params"].items():
         torch.testing.assert_close(trained[name], expected, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
         assert not torch.equal(expected, reference["initial"][name]), f"{name} did not train"
+
+
+@pytest.mark.multiprocess
+def test_a_transformers_llama_trains_under_pp2_from_its_own_plan_like_one_process(pool2):
+    results = pool2.run(_train_pp, {"pp_size": 2}, 1, timeout=TIMEOUT)
+    assert not results[0]["params"].keys() & results[1]["params"].keys()  # each parameter on one stage
+    _check(results, 1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("parallelism", "dp_size"), [({"pp_size": 2, "tp_size": 2}, 1),
+                                                      ({"pp_size": 2, "dp_shard_size": 2}, 2)])
+def test_pp2_with_tp2_or_fsdp2_from_the_models_own_plans_like_one_process(parallelism, dp_size):
+    """4 ranks: the model's own pipeline plan with its own tensor-parallel plan (the other stage's
+    ``lm_head``/``embed_tokens`` are no modules there, so the plan's entries for them match nothing), or
+    with FSDP2 over each stage."""
+    with checked_pool(4, env={"OMP_NUM_THREADS": "1"}) as pool4:
+        results = pool4.run(_train_pp, parallelism, dp_size, timeout=TIMEOUT)
+    assert all(result["sharded"] for result in results)
+    _check(results, dp_size)

@@ -6,8 +6,9 @@ head model (``lm_head``). With ``pp_size > 1`` and neither ``pp_split_points`` n
 the plan's layer list is split evenly into ``pp_size`` stages: the entries before it on the first
 stage, those after it and the head's on the last. A stage is the model with the other stages' layers
 deleted (names kept, as :mod:`torchrig_fsdp.pipeline` does) and the other stages' plan entries
-replaced by ``nn.Identity`` — the base model's forward calls them unconditionally, and an identity
-holds no state, so state dicts keep the unsplit model's keys.
+replaced by a pass-through function — the base model's forward calls them unconditionally; a function
+is no module, so state dicts keep the unsplit model's keys and a tensor-parallel plan's entry for it
+(``lm_head``) matches nothing on this stage.
 
 Why a stage module around the model (:class:`PlanStage`): the model's own forward still runs on every
 stage (rotary embeddings and the causal mask are computed there from the stage's input), fed the token
@@ -119,8 +120,18 @@ def split_by_plan(model: torch.nn.Module, stage: int, num_stages: int) -> tuple[
         del layers._modules[key]  # the others keep their indices
     for name in (before if stage != 0 else []) + (after if stage != num_stages - 1 else []):
         parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attribute, torch.nn.Identity())
+        holder = model.get_submodule(parent) if parent else model
+        del holder._modules[attribute]
+        # a plain function, not a module: a tensor-parallel plan's 'lm_head' entry matches nothing here,
+        # and nothing is saved or sharded for it; the base model's forward still finds and calls it
+        object.__setattr__(holder, attribute, _pass_through)
     return model, PlanStage(model, first=stage == 0)
+
+
+def _pass_through(hidden: Any, *args: Any, **kwargs: Any) -> Any:
+    """In place of another stage's plan entry: what it is given (an embedding is never called on a
+    later stage, which gets ``inputs_embeds``)."""
+    return hidden
 
 
 def _span(prefix: str, layers_key: str, bounds: tuple[int, int]) -> str:
