@@ -48,6 +48,7 @@ from torchrig.checkpoint.files import (
     hash_file,
 )
 from torchrig.checkpoint.ledger import CheckpointLedger
+from torchrig.checkpoint.manifest import read_manifest
 from torchrig.checkpoint.pending import PendingSave
 from torchrig.checkpoint.state import capture_rng, describe_dataloader, digest, fingerprint_config
 from torchrig.checkpoint.state_dicts import save_structured
@@ -78,6 +79,8 @@ class CheckpointManager:
         self._staging: dict[str, Any] = {}
         self._group: Any = None
         self._group_made = False
+        #: The checkpoint this run resumed from (``load``), if any: a resumed run may replace its own later ones.
+        self.resumed_from: str | None = None
 
     # -- where -----------------------------------------------------------------------------
 
@@ -151,6 +154,10 @@ class CheckpointManager:
         decision = collectives.broadcast_object_list([decision])[0]
         if "error" in decision:
             raise CheckpointError(decision["error"])
+        if decision.get("replaces"):
+            overwrite = True  # a checkpoint this resumed run re-creates (see _resumed_run_recreates)
+            if rank == 0:
+                logger.warning(decision["replaces"])
         target, temporary = decision["target"], decision["temporary"]
         if root is not None:  # taken even if the save fails: numbers are never reused (as with async saves)
             self.iteration = decision["number"] + 1
@@ -187,6 +194,7 @@ class CheckpointManager:
         """
         parent = os.path.dirname(target)
         number = None
+        replaces: str | None = None
         try:
             os.makedirs(parent, exist_ok=True)
             layout.remove_leftovers(parent)
@@ -201,7 +209,8 @@ class CheckpointManager:
                 if not layout.is_committed(target):
                     return {"error": f"cannot save to {target}: it exists and is not a committed torchrig checkpoint "
                                      "(it has no valid manifest); choose another directory or remove it"}
-                if not overwrite:
+                replaces = None if overwrite else self._resumed_run_recreates(target)
+                if not (overwrite or replaces):
                     return {"error": f"cannot save to {target}: a committed checkpoint is already there; pass "
                                      "save_state(..., overwrite=True) to replace it atomically, or choose another "
                                      "directory"}
@@ -213,7 +222,25 @@ class CheckpointManager:
                 raise
         except OSError as exc:
             return {"error": f"cannot create a checkpoint in {parent}: {exc.strerror or exc}"}
-        return {"target": target, "temporary": temporary, "number": number}
+        return {"target": target, "temporary": temporary, "number": number, "replaces": replaces}
+
+    def _resumed_run_recreates(self, target: str) -> str | None:
+        """Why ``target``, a committed checkpoint, may be replaced without ``overwrite``: this run resumed
+        (``load_state``) and ``target`` was written by the same run — same configuration and data order —
+        so saving there re-creates it, as a script resumed with its ``--output_dir`` does (Accelerate
+        overwrites). None when it may not: no resume, or another run's checkpoint."""
+        if self.resumed_from is None:
+            return None
+        existing = read_manifest(target) or {}
+        config_keys, data_order = self._fingerprint()
+        ours = {"config_hash": digest(config_keys), "data_order_hash": digest(data_order)}
+        theirs = existing.get("fingerprint") or {}
+        if any(theirs.get(key) != value for key, value in ours.items()):
+            return None
+        if existing.get("world_size") != self.ledger.run.cluster.world_size:
+            return None
+        return (f"replacing {target}: a checkpoint of this same run (same configuration and data order) that the "
+                f"run resumed from {self.resumed_from} saves again")
 
     def _write_state(self, writer: CheckpointWriter) -> list[str]:
         """Write this rank's files; returns the files a library wrote without the writer."""
@@ -428,9 +455,11 @@ class CheckpointManager:
         """Load a committed checkpoint (default: the project's latest); returns its directory
         (see :mod:`torchrig.checkpoint.loading`)."""
         self.wait()
-        return loading.load(self, input_dir, allow_config_change=allow_config_change,
-                            allow_world_size_change=allow_world_size_change, verify_hashes=verify_hashes,
-                            allow_pickle=allow_pickle, skip_damaged=skip_damaged)
+        loaded = loading.load(self, input_dir, allow_config_change=allow_config_change,
+                              allow_world_size_change=allow_world_size_change, verify_hashes=verify_hashes,
+                              allow_pickle=allow_pickle, skip_damaged=skip_damaged)
+        self.resumed_from = loaded
+        return loaded
 
 
 def _save_checked(writer: CheckpointWriter, state: Any, name: str, what: str) -> None:
