@@ -121,3 +121,42 @@ def test_hf_weights_load_into_and_save_from_each_layout_bit_exactly(pool4, tmp_p
             assert got[name].dtype == value.dtype and torch.equal(got[name].detach(), value), \
                 f"{layout} {family}: {name} (weights out)"
         assert (loaded.lm_head.weight is loaded.get_input_embeddings().weight) == (family == "llama_tied")
+
+
+def _moe_in_and_out(ctx, root: str) -> dict:
+    from torchrig import Accelerator, ParallelismConfig
+    from torchrig.checkpoint.hf_load import local_bytes
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=ParallelismConfig(**LAYOUTS["fsdp2_x_tp2"]))
+        prepared = accelerator.prepare(build("qwen3_moe", seed=11))
+        model = accelerator.unwrap_model(prepared)
+        loaded = accelerator.load_pretrained_weights(prepared, os.path.join(root, "reference"))
+        placements = {name: tuple(repr(p) for p in param.placements) for name, param in model.named_parameters()
+                      if name.endswith("experts.gate_up_proj")}
+        params = {name: _full(p) for name, p in model.named_parameters()}
+        accelerator.save_model(prepared, os.path.join(root, "saved"), max_shard_size="40KB")
+        result = {"params": params, "bytes_read": loaded.bytes_read, "local_bytes": local_bytes(model),
+                  "placements": placements}
+        accelerator.free_memory()
+        return result
+
+
+def test_moe_experts_split_with_strided_shards_load_and_save_bit_exactly(pool4, tmp_path):
+    """Qwen3-MoE's fused gate/up experts are split over tp as strided shards (gate and up halves
+    each split): the local chunk is not one slice of the file's tensor. Reference files: save_model
+    of one process (transformers' save_pretrained stores experts one by one, which is refused)."""
+    from torchrig import Accelerator
+
+    reference = build("qwen3_moe", seed=4)
+    Accelerator(cpu=True).save_model(reference, tmp_path / "reference", max_shard_size="40KB")
+    results = pool4.run(_moe_in_and_out, str(tmp_path), timeout=TIMEOUT)
+    expected = {name: p.detach() for name, p in reference.named_parameters()}
+    for rank, result in enumerate(results):
+        assert any("StridedShard" in p[-1] for p in result["placements"].values()), result["placements"]
+        for name, value in expected.items():
+            assert torch.equal(result["params"][name], value), f"rank {rank}: {name} (weights in)"
+        assert result["bytes_read"] == result["local_bytes"], rank
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    for name, value in loaded.named_parameters():
+        assert torch.equal(value.detach(), expected[name]), f"{name} (weights out)"

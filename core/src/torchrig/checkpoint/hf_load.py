@@ -7,6 +7,9 @@ them from the files with safetensors' ``get_slice`` — a rank reads the bytes o
 nothing else, no rank ever holds a full copy of a sharded tensor, the model is never assembled in
 CPU memory. Each slice is copied into the parameter in place (``copy_``, which converts the file's
 dtype to the parameter's) and dropped, so besides its shards a rank holds at most one slice.
+A strided shard (a fused gate/up projection split part by part, e.g. MoE experts under TP) is
+several slices of the full tensor, which DCP's planner would read as one contiguous chunk — the
+wrong values, silently: those are read here run by run with the same ``get_slice``.
 
 Names are transformers' (:mod:`torchrig.checkpoint.hf_names`): wrapper segments removed, a tied
 weight once under its source name. Keys are compared over the union of every rank's keys (a
@@ -20,6 +23,7 @@ does not see torch's allocations, and the resident size counts the page cache of
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Mapping
@@ -28,8 +32,11 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchrig.checkpoint.files import CheckpointError
 from torchrig.checkpoint.hf_names import tied_targets, transformers_state
@@ -87,15 +94,67 @@ def weights_files(path: str) -> list[str]:
                           "weights with safe_serialization=True")
 
 
-def _file_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
+def _file_shapes(files: list[str]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Each key's shape and file, from the files' headers alone."""
     shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, str] = {}
     for name in files:
         with safe_open(name, framework="pt") as handle:  # reads the header only
             for key in handle.keys():
                 shapes[key] = tuple(handle.get_slice(key).get_shape())
-    return shapes
+                where[key] = name
+    return shapes, where
+
+
+def _strided(value: Any) -> bool:
+    """A DTensor with a strided shard (a packed/fused projection split part by part): its local
+    chunk is several slices of the full tensor, which DCP's planner reads as one (wrongly)."""
+    return any(isinstance(p, _StridedShard) for p in getattr(value, "placements", ()))
+
+
+def _local_indices(value: Any) -> list[torch.Tensor]:
+    """Per dimension, the global indices this rank's chunk of the DTensor ``value`` holds: a 1-D
+    index split the way ``value``'s placements split that dimension (no communication)."""
+    indices = []
+    for dim, size in enumerate(value.shape):
+        placements: list[Any] = []
+        for placement in value.placements:
+            if isinstance(placement, _StridedShard) and placement.dim == dim:
+                placements.append(_StridedShard(0, split_factor=placement.split_factor))
+            elif isinstance(placement, Shard) and placement.dim == dim:
+                placements.append(Shard(0))
+            else:
+                placements.append(Replicate())
+        index = torch.arange(size)
+        if any(not isinstance(p, Replicate) for p in placements):
+            index = distribute_tensor(index, value.device_mesh, placements, src_data_rank=None).to_local()
+        indices.append(index)
+    return indices
+
+
+def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(local start, global start, length)`` of each run of consecutive global indices."""
+    runs: list[tuple[int, int, int]] = []
+    for local, global_index in enumerate(index.tolist()):
+        if runs and runs[-1][1] + runs[-1][2] == global_index:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((local, global_index, 1))
+    return runs
+
+
+def _read_strided(values: Mapping[str, Any], where: Mapping[str, str], reader: _CountingReader) -> None:
+    """Read each strided DTensor's local chunk slice by slice (every run of consecutive indices
+    of every dimension), counted like DCP's reads."""
+    for key, value in values.items():
+        local = value.to_local()
+        runs = [_runs(index) for index in _local_indices(value)]
+        with safe_open(where[key], framework="pt") as handle:
+            source = handle.get_slice(key)
+            for combination in itertools.product(*runs):
+                piece = source[tuple(slice(g, g + n) for _, g, n in combination)]
+                reader.count(piece)
+                local[tuple(slice(start, start + n) for start, _, n in combination)].copy_(piece)
 
 
 def _global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -139,12 +198,15 @@ class _CountingReader(HuggingFaceStorageReader):
         self.bytes_read = 0
         self.largest_read = 0
 
-    def _process_read_request(self, f: Any, req: Any, planner: Any) -> None:
-        slices = tuple(slice(offset, offset + length) for offset, length in zip(req.storage_offsets, req.lengths))
-        piece = f.get_slice(req.storage_index.fqn)[slices]
+    def count(self, piece: torch.Tensor) -> None:
         nbytes = piece.numel() * piece.element_size()
         self.bytes_read += nbytes
         self.largest_read = max(self.largest_read, nbytes)
+
+    def _process_read_request(self, f: Any, req: Any, planner: Any) -> None:
+        slices = tuple(slice(offset, offset + length) for offset, length in zip(req.storage_offsets, req.lengths))
+        piece = f.get_slice(req.storage_index.fqn)[slices]
+        self.count(piece)
         target = planner.resolve_tensor(req).detach()
         if target.size() != piece.size():
             raise CheckpointError(f"load_pretrained_weights: {req.storage_index.fqn!r}: a slice of "
@@ -160,7 +222,7 @@ def load_pretrained_weights(model: torch.nn.Module, path: str | os.PathLike, str
     are returned). A shape mismatch is always an error."""
     path = os.fspath(path)
     files = weights_files(path)
-    file_shapes = _file_shapes(files)
+    file_shapes, where = _file_shapes(files)
     state = transformers_state(model.state_dict(), model)
     tied = set(tied_targets(model))
     mine = set(state)
@@ -186,12 +248,14 @@ def load_pretrained_weights(model: torch.nn.Module, path: str | os.PathLike, str
         raise CheckpointError(f"load_pretrained_weights({path}): shapes differ — {listed}. Load into a model built "
                               "from the same config (a model whose parameters a strategy partitioned away from "
                               "their shapes, such as DeepSpeed ZeRO-3, loads its weights before prepare)")
-    to_load = {key: value for key, value in state.items() if key in file_shapes}
+    to_load = {key: value for key, value in state.items() if key in file_shapes and not _strided(value)}
+    strided = {key: value for key, value in state.items() if key in file_shapes and _strided(value)}
     reader = _CountingReader(os.path.dirname(files[0]), files)
     distributed = dist.is_available() and dist.is_initialized()
     try:
         with torch.no_grad():
             dcp_load(to_load, storage_reader=reader, no_dist=not distributed)
+            _read_strided(strided, where, reader)
     except BaseException as exc:  # DCP's CheckpointException is not an Exception
         if isinstance(exc, (KeyboardInterrupt, SystemExit, CheckpointError)):
             raise
