@@ -55,3 +55,34 @@ def test_hf_weights_load_into_and_save_from_ddp(gloo_pool, tmp_path):
     assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
     for name, value in loaded.named_parameters():
         assert torch.equal(value.detach(), expected[name].detach()), name
+
+
+def _ddp_adapter(ctx, root: str) -> dict:
+    import gc
+
+    import peft
+    from torchrig import Accelerator
+
+    gc.collect()
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="ddp")
+        lora = peft.get_peft_model(build("llama", seed=32), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                           init_lora_weights=False))
+        prepared = accelerator.prepare(lora)
+        written = accelerator.save_model(prepared, os.path.join(root, "adapter"))
+        adapter = {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(lora).items()}
+        accelerator.free_memory()
+        return {"written": written, "adapter": adapter}
+
+
+def test_save_model_of_a_ddp_peft_model_writes_the_adapter_once(gloo_pool, tmp_path):
+    peft = pytest.importorskip("peft")
+    results = gloo_pool.run(_ddp_adapter, str(tmp_path), timeout=TIMEOUT)
+    assert set(results[0]["written"]) >= {"adapter_model.safetensors", "adapter_config.json"}
+    assert results[1]["written"] == []
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    fresh = peft.PeftModel.from_pretrained(build("llama", seed=32), tmp_path / "adapter")
+    loaded = peft.get_peft_model_state_dict(fresh)
+    assert set(loaded) == set(results[0]["adapter"])
+    for name, value in results[0]["adapter"].items():
+        assert torch.equal(loaded[name], value), name
