@@ -93,8 +93,12 @@ def test_tied_embeddings_across_stages_are_refused_by_name():
 
 def test_a_stage_takes_the_token_ids_alone():
     _, [(_, first)], _ = _split(_llama(), 0)
-    with pytest.raises(ValueError, match="attention_mask.*not passed between stages"):
+    with pytest.raises(ValueError, match="attention_mask would reach the first stage only"):
         first(torch.randint(0, 128, (2, SEQ)), attention_mask=torch.ones(2, SEQ))
+    with pytest.raises(ValueError, match="no token ids were given"):
+        first()
+    tokens = torch.randint(0, 128, (2, SEQ))
+    torch.testing.assert_close(first(input_ids=tokens), first(tokens))  # by keyword too
 
 
 def test_a_model_without_a_pp_plan_still_needs_a_split():
@@ -122,7 +126,7 @@ def _data(samples: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def _train_pp(ctx, parallelism: dict, dp_size: int) -> dict:
+def _train_pp(ctx, parallelism: dict, dp_size: int, keyword: bool = False) -> dict:
     from torchrig import Accelerator
 
     with rank_environment(ctx.rank, ctx.world_size):
@@ -133,7 +137,7 @@ def _train_pp(ctx, parallelism: dict, dp_size: int) -> dict:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         losses = []
         for inputs, labels in loader:
-            loss = model(inputs, target=labels)
+            loss = model(input_ids=inputs, target=labels) if keyword else model(inputs, target=labels)
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(model.parameters(), CLIP)
             optimizer.step()
@@ -181,7 +185,7 @@ def _check(results: list[dict], dp_size: int) -> None:
 
 @pytest.mark.multiprocess
 def test_a_transformers_llama_trains_under_pp2_from_its_own_plan_like_one_process(pool2):
-    results = pool2.run(_train_pp, {"pp_size": 2}, 1, timeout=TIMEOUT)
+    results = pool2.run(_train_pp, {"pp_size": 2}, 1, True, timeout=TIMEOUT)  # model(input_ids=..., target=...)
     assert not results[0]["params"].keys() & results[1]["params"].keys()  # each parameter on one stage
     _check(results, 1)
 

@@ -151,12 +151,15 @@ class PlanStage(torch.nn.Module):
         self.model = model
         self.first = first
 
-    def forward(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        if kwargs:
+    def forward(self, inputs: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        if inputs is None and self.first and "input_ids" in kwargs:  # model(input_ids=..., target=...)
+            inputs = kwargs.pop("input_ids")
+        if kwargs or inputs is None:
+            given = (f"{', '.join(kwargs)} would reach the first stage only (nothing but the hidden states is passed "
+                     "between stages)" if kwargs else "no token ids were given")
             raise ValueError(f"a transformers model pipelined from its base_model_pp_plan takes the token ids alone: "
-                             f"{', '.join(kwargs)} would reach the first stage only (they are not passed between "
-                             "stages); call model(input_ids, target=labels), or split with parallelism_config."
-                             "pp_split_fn")
+                             f"{given}; call model(input_ids, target=labels), or split with "
+                             "parallelism_config.pp_split_fn")
         key = "input_ids" if self.first else "inputs_embeds"
         output = self.model(**{key: inputs, "use_cache": False})
         for field in ("logits", "last_hidden_state"):
