@@ -123,8 +123,9 @@ def task_args(task: str, inputs: dict[str, Path], *extra: str) -> list[str]:
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 def test_clm_bf16_accumulation_tracking_checkpoint_then_resume_on_2_processes(inputs, tmp_path, process_guard):
     """The issue's whole list in one 2-rank run and its resume: bf16, 2 micro-batches per step, every tracker
-    (``--report_to all``) written by rank 0, a checkpoint every 2 optimizer steps; resuming from ``step_2`` finishes
-    with the same evaluation loss and bit-identical saved weights as the uninterrupted run."""
+    (``--report_to all``) written by rank 0, a checkpoint every 2 optimizer steps; resuming from ``step_2`` into the
+    same ``--output_dir`` finishes with the same evaluation loss and bit-identical saved weights as the
+    uninterrupted run."""
     common = ["--gradient_accumulation_steps", "2", "--checkpointing_steps", "2", "--with_tracking"]
     launch = ["--mixed_precision", "bf16"]
     first = run_script(SCRIPT, 2, task_args("clm", inputs, *common, "--output_dir", "full"), tmp_path, process_guard,
@@ -137,13 +138,17 @@ def test_clm_bf16_accumulation_tracking_checkpoint_then_resume_on_2_processes(in
     assert list((out / "clm_no_trainer").glob("events.out.tfevents.*")), "no tensorboard events"
     assert "optimizer step 5 (epoch 0)" in first.stdout and "optimizer step 6" not in first.stdout
 
-    resumed = run_script(SCRIPT, 2, task_args("clm", inputs, *common, "--output_dir", "resumed",
+    weights = (out / "model.safetensors").read_bytes()
+    # Resumed as users do, with the same --output_dir: step_4 is saved again over the first run's (Accelerate
+    # overwrites; torchrig refused it before a resumed run could replace its own checkpoints).
+    resumed = run_script(SCRIPT, 2, task_args("clm", inputs, *common, "--output_dir", "full",
                                               "--resume_from_checkpoint", str(out / "step_2")),
                          tmp_path, process_guard, launch).check()
     assert "Resumed from checkpoint" in resumed.stdout
     assert "optimizer step 3 (epoch 0)" in resumed.stdout and "optimizer step 2 " not in resumed.stdout
     assert resumed.epochs() == first.epochs(), (resumed.epochs(), first.epochs())
-    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert "replacing" in resumed.stdout + resumed.stderr and (out / "step_4" / "torchrig_checkpoint.json").exists()
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
