@@ -167,3 +167,30 @@ def test_a_moe_model_round_trips_through_save_model_and_per_expert_files_are_ref
     with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj'.*"
                                               r"'model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight'.*from_pretrained"):
         accelerator.load_pretrained_weights(build("qwen3_moe", seed=13), tmp_path / "per_expert")
+
+
+def test_bad_weights_paths_and_shapes_are_errors_naming_the_file_or_key(tmp_path):
+    from safetensors.torch import save_file
+    from torchrig.checkpoint.files import CheckpointError
+
+    accelerator = _accelerator()
+    model = build("llama", seed=14)
+    with pytest.raises(CheckpointError, match=r"nowhere does not exist"):
+        accelerator.load_pretrained_weights(model, tmp_path / "nowhere")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"weights\.bin is not a \.safetensors file"):
+        accelerator.load_pretrained_weights(model, tmp_path / "weights.bin")
+    build("llama", seed=15).save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    second = sorted(set(index["weight_map"].values()))[1]
+    os.unlink(tmp_path / "sharded" / second)
+    with pytest.raises(CheckpointError, match=rf"names files that are not there: {second}"):
+        accelerator.load_pretrained_weights(model, tmp_path / "sharded")
+    state = {k: v.clone() for k, v in build("llama", seed=16).state_dict().items()}
+    state["model.norm.weight"] = torch.ones(7)
+    (tmp_path / "wrong").mkdir()
+    save_file(state, str(tmp_path / "wrong" / "model.safetensors"))
+    before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight': files \(7,\), model \(32,\)"):
+        accelerator.load_pretrained_weights(model, tmp_path / "wrong")
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, before), "a refused load changed the model"
