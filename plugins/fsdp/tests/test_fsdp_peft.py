@@ -164,9 +164,6 @@ def test_lora_under_fsdp2_x_tp_with_the_models_own_plan_made_to_follow_the_adapt
     _assert_fsdp2_x_tp_trains_like_one_process(pool4.run(_train_fsdp2_x_tp, True, timeout=TIMEOUT))
 
 
-@pytest.mark.xfail(strict=True, reason="zero-config needs the fsdp strategy to call torchrig_fsdp.wrapping."
-                   "apply_tensor_parallel instead of mesh.apply_tensor_parallel (strategy.py, one line; its owner's "
-                   "file): remove this marker with that line")
 def test_lora_under_fsdp2_x_tp_zero_config_follows_the_adapters(pool4):
     """No tp_plan: the plan the peft-wrapped Llama declares, made to follow the adapters by the strategy."""
     _assert_fsdp2_x_tp_trains_like_one_process(pool4.run(_train_fsdp2_x_tp, False, timeout=TIMEOUT))

@@ -42,7 +42,7 @@ from torchrig_fsdp.explain import FSDPConfigError, noted
 from torchrig_fsdp.manifest import HYBRID, SECTION
 from torchrig_fsdp.materialize import MaterializeError, materialize, meta_modules
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
-from torchrig_fsdp.wrapping import as_modules, checkpoint_forward, wrap_blocks
+from torchrig_fsdp.wrapping import apply_tensor_parallel, as_modules, checkpoint_forward, wrap_blocks
 
 #: The device mesh of this run (built in ``torchrig_configure``; ``None`` with one process).
 MESH = StashKey[Any]("fsdp.mesh")
@@ -188,7 +188,8 @@ class FSDPStrategy:
         (the whole model, or each pipeline stage of this rank), its blocks first."""
         assert run.device is not None
         device = run.device.device
-        nd.apply_tensor_parallel(run, model, mesh, options.parallelize_fn, require_match=nd.pp_mesh(mesh) is None)
+        # the model's or the user's plan, made to follow LoRA adapters when the model has some (wrapping.py)
+        apply_tensor_parallel(run, model, mesh, options.parallelize_fn, require_match=nd.pp_mesh(mesh) is None)
         if nd.parallelism(run).loss_parallel:
             nd.wrap_loss_parallel(model)
         shard_mesh = nd.data_mesh(mesh) if nd.parallelism(run).enabled else mesh
