@@ -125,11 +125,11 @@ class CheckpointCalls:
         config; a peft model's adapters alone (``adapter_model.safetensors`` +
         ``adapter_config.json``). Where every tensor is a DTensor on every rank (FSDP2, TP, FSDP2×TP)
         the ranks write the files in parallel (:mod:`torchrig.checkpoint.parallel_export`). Returns
-        the files this rank wrote (empty on ranks that write nothing)."""
+        every file written on the main process, ``[]`` on the others."""
         # Deliberately deferred for start-up cost (see the module docstring).
         from torchrig.checkpoint.export import parse_size, save_pretrained_files
         from torchrig.checkpoint.hf_names import is_peft_model
-        from torchrig.checkpoint.parallel_export import parallel_state, save_in_parallel
+        from torchrig.checkpoint.parallel_export import parallel_state, save_in_parallel, written_by_all
 
         parse_size(max_shard_size)  # a bad size fails on every rank, before any gathering
         unwrapped = self.unwrap_model(model)
@@ -137,7 +137,7 @@ class CheckpointCalls:
         if safe_serialization and not is_peft_model(unwrapped) and not self.config["project_config.save_on_each_node"]:
             sharded = parallel_state(unwrapped)  # every rank writes its part where the layout allows it
             if sharded is not None:
-                written = save_in_parallel(unwrapped, sharded, directory, max_shard_size)
+                written = written_by_all(save_in_parallel(unwrapped, sharded, directory, max_shard_size))
                 self.wait_for_everyone()
                 return written
         state = self.get_state_dict(model)

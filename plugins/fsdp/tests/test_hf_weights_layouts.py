@@ -62,6 +62,7 @@ def _largest_local(model) -> int:
 def _in_and_out(ctx, root: str, layout: str) -> dict:
     from torchrig import Accelerator, ParallelismConfig
     from torchrig.checkpoint.hf_load import local_bytes
+    from torchrig.checkpoint.parallel_export import parallel_state, save_in_parallel
 
     results = {}
     with rank_environment(ctx.rank, ctx.world_size):
@@ -75,9 +76,12 @@ def _in_and_out(ctx, root: str, layout: str) -> dict:
             sharded = any(hasattr(p, "placements") for p in model.parameters())
             saved = os.path.join(root, f"saved-{layout}-{family}")
             written = accelerator.save_model(prepared, saved, max_shard_size="40KB")
+            # the writer save_model used for this layout, called directly: which rank wrote which file
+            by_rank = save_in_parallel(model, parallel_state(model), saved + "-direct", max_shard_size="40KB")
             results[family] = {"params": params, "bytes_read": loaded.bytes_read, "local_bytes": local_bytes(model),
                                "largest_read": loaded.largest_read, "largest_local": _largest_local(model),
                                "sharded": sharded, "saved": saved, "written": written,
+                               "by_rank": by_rank,
                                "tied": model.lm_head.weight is model.get_input_embeddings().weight}
             accelerator.free_memory()
     return results
@@ -108,11 +112,17 @@ def test_hf_weights_load_into_and_save_from_each_layout_bit_exactly(pool4, tmp_p
         saved = results[0][family]["saved"]
         assert os.path.exists(os.path.join(saved, "model.safetensors.index.json"))
         assert os.path.exists(os.path.join(saved, "config.json"))
-        # the ranks wrote the weights files in parallel: each file by one rank, more than one rank writing
+        # save_model lists every file on the main process; the ranks wrote the weights files in parallel
+        # (each file by one rank, several ranks writing), byte for byte what save_model wrote
         files = sorted(name for name in os.listdir(saved) if name.endswith(".safetensors"))
-        writers = {name: [rank for rank, r in enumerate(results) if name in r[family]["written"]] for name in files}
+        assert results[0][family]["written"][:len(files)] == files
+        assert all(r[family]["written"] == [] for r in results[1:])
+        writers = {name: [rank for rank, r in enumerate(results) if name in r[family]["by_rank"]] for name in files}
         assert all(len(ranks) == 1 for ranks in writers.values()), writers
         assert len({ranks[0] for ranks in writers.values()}) > 1, writers
+        for name in files + ["model.safetensors.index.json"]:
+            with open(os.path.join(saved, name), "rb") as mine, open(os.path.join(saved + "-direct", name), "rb") as direct:
+                assert mine.read() == direct.read(), name
         loaded = transformers.AutoModelForCausalLM.from_pretrained(saved)
         gathered = results[0][family]["params"]
         got = dict(loaded.named_parameters())

@@ -142,4 +142,15 @@ def save_in_parallel(model: torch.nn.Module, state: Mapping[str, Any], directory
     return written
 
 
-__all__ = ["parallel_state", "save_in_parallel"]
+def written_by_all(mine: list[str]) -> list[str]:
+    """Every file the ranks wrote, on rank 0 (weights files in order, then the index and config
+    files); ``[]`` elsewhere. Collective."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() != 0:
+        return []
+    weights = sorted({name for part in gathered for name in part if name.endswith(".safetensors")})
+    return weights + [name for name in gathered[0] if not name.endswith(".safetensors")]
+
+
+__all__ = ["parallel_state", "save_in_parallel", "written_by_all"]
