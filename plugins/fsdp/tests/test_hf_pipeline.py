@@ -91,6 +91,13 @@ def test_tied_embeddings_across_stages_are_refused_by_name():
     assert "model.embed_tokens.weight and lm_head.weight" in text and "tie_word_embeddings=False" in text
 
 
+def test_a_parameter_outside_the_plans_entries_is_refused_by_name():
+    model = _llama()
+    model.model.scale = torch.nn.Parameter(torch.ones(()))  # on the base model, in no entry of its plan
+    with pytest.raises(ConfigError, match="parameters model.scale are in no entry of its base_model_pp_plan"):
+        _split(model, 0)
+
+
 def test_a_stage_takes_the_token_ids_alone():
     _, [(_, first)], _ = _split(_llama(), 0)
     with pytest.raises(ValueError, match="attention_mask would reach the first stage only"):

@@ -82,7 +82,7 @@ def _tied_across(model: torch.nn.Module, owner: dict[str, int]) -> list[str]:
 def split_by_plan(model: torch.nn.Module, stage: int, num_stages: int) -> tuple[torch.nn.Module, PlanStage] | None:
     """``(the rank's module, names kept; its stage module)`` for ``stage``, cut by the model's own
     pipeline plan; None when the model declares none. Refused by name: a plan without exactly one
-    layer list, more stages than layers, a parameter tied across stages."""
+    layer list, more stages than layers, a parameter outside the plan's entries or tied across stages."""
     found = find_plan(model)
     if found is None:
         return None
@@ -108,7 +108,11 @@ def split_by_plan(model: torch.nn.Module, stage: int, num_stages: int) -> tuple[
     owner = {name: 0 for name in before} | {name: num_stages - 1 for name in after}
     for index, (start, stop) in enumerate(bounds):
         owner.update({name: index for name in layer_names[start:stop]})
-    problems = _tied_across(model, owner)
+    unowned = [name for name, _ in model.named_parameters()
+               if not any(name == unit or name.startswith(f"{unit}.") for unit in owner)]
+    problems = [f"{SPLIT_KEY}: {cls}'s parameters {', '.join(unowned[:6])}{', ...' if len(unowned) > 6 else ''} are "
+                f"in no entry of its base_model_pp_plan, so no stage would own them; {_INSTEAD}"] if unowned else []
+    problems += _tied_across(model, owner)
     if problems:
         raise ConfigError(problems)
     described = [", ".join([*(before if index == 0 else []), _span(prefix, layers_key, bounds[index]),
@@ -121,7 +125,7 @@ def split_by_plan(model: torch.nn.Module, stage: int, num_stages: int) -> tuple[
     for name in (before if stage != 0 else []) + (after if stage != num_stages - 1 else []):
         parent, _, attribute = name.rpartition(".")
         holder = model.get_submodule(parent) if parent else model
-        del holder._modules[attribute]
+        holder._modules.pop(attribute, None)
         # a plain function, not a module: a tensor-parallel plan's 'lm_head' entry matches nothing here,
         # and nothing is saved or sharded for it; the base model's forward still finds and calls it
         object.__setattr__(holder, attribute, _pass_through)
