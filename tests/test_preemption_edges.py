@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from test_preemption import RUN_TIMEOUT, _assert_same_training, _checkpoints, _env, _launch, _log, _run, _train
@@ -21,22 +22,31 @@ from torchrig.launch.status import RUN_STATUS_FILE
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(6 * RUN_TIMEOUT)]
 
-#: The console script's two steps (import the entry module, call main), with a pause between them
-#: that the test controls: the signal lands after the entry point's first lines, before everything else.
+#: The `torchrig` console script pip writes (import the entry module, call main), with a pause between
+#: the two that the test controls: the signal lands after the entry point's first lines, before
+#: everything else. Saved as a file named `torchrig`, as the console script is.
 HELD_ENTRY = """
 import os, sys, time
 import torchrig.cli.main as entry
-open(sys.argv[1], "w").close()
-while not os.path.exists(sys.argv[2]):
+ready, go = sys.argv.pop(1), sys.argv.pop(1)
+open(ready, "w").close()
+while not os.path.exists(go):
     time.sleep(0.01)
-sys.exit(entry.main(sys.argv[3:]))
+sys.exit(entry.main())
 """
+
+
+def _held_torchrig(tmp_path: Path) -> str:
+    script = tmp_path / "bin" / "torchrig"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(HELD_ENTRY)
+    return str(script)
 
 
 def test_sigusr1_while_the_launcher_starts_is_passed_on_and_the_ranks_checkpoint(tmp_path, process_guard):
     ready, go, logs, project = tmp_path / "ready", tmp_path / "go", tmp_path / "logs", tmp_path / "preempted"
     launch = _launch("--log_dir", str(logs), *_train(project))[3:]  # without `python -m torchrig`
-    proc = subprocess.Popen([sys.executable, "-c", HELD_ENTRY, str(ready), str(go), *launch], start_new_session=True,
+    proc = subprocess.Popen([sys.executable, _held_torchrig(tmp_path), str(ready), str(go), *launch], start_new_session=True,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=_env(tmp_path, TORCHRIG_PREEMPTION__SIGNALS="SIGUSR1"))
     process_guard.track(proc)
@@ -68,7 +78,7 @@ def test_sigusr1_while_the_launcher_starts_is_passed_on_and_the_ranks_checkpoint
 def test_a_stop_signal_while_the_launcher_starts_starts_no_worker_and_writes_run_status(tmp_path, process_guard, sig):
     ready, go, logs, project = tmp_path / "ready", tmp_path / "go", tmp_path / "logs", tmp_path / "stopped"
     launch = _launch("--log_dir", str(logs), *_train(project))[3:]
-    proc = subprocess.Popen([sys.executable, "-c", HELD_ENTRY, str(ready), str(go), *launch], start_new_session=True,
+    proc = subprocess.Popen([sys.executable, _held_torchrig(tmp_path), str(ready), str(go), *launch], start_new_session=True,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=_env(tmp_path, TORCHRIG_PREEMPTION__SIGNALS="SIGUSR1,SIGTERM"))
     process_guard.track(proc)
@@ -89,7 +99,7 @@ def test_a_stop_signal_while_the_launcher_starts_starts_no_worker_and_writes_run
 
 def test_sigusr1_to_a_command_that_launches_nothing_keeps_its_default_action(tmp_path, process_guard):
     ready, go = tmp_path / "ready", tmp_path / "go"
-    proc = subprocess.Popen([sys.executable, "-c", HELD_ENTRY, str(ready), str(go), "plugins"], start_new_session=True,
+    proc = subprocess.Popen([sys.executable, _held_torchrig(tmp_path), str(ready), str(go), "plugins"], start_new_session=True,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(tmp_path))
     process_guard.track(proc)
     deadline = time.monotonic() + RUN_TIMEOUT

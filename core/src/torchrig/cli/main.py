@@ -9,15 +9,18 @@ Usage and plugin errors print one message and exit with code 2 — never a trace
 
 from __future__ import annotations
 
+import sys
+
 from torchrig.launch import held_signals
 
 # First, before the imports below: a scheduler's SIGUSR1 that arrives while `torchrig launch` is
 # still starting is held for the ranks instead of ending the launcher (torchrig.launch.held_signals).
-held_signals.hold()
+# Only in the `torchrig` process itself: a program that imports the CLI keeps its own signals.
+if held_signals.started_as_torchrig(sys.argv[0]):
+    held_signals.hold()
 
 import argparse  # noqa: E402
 import os  # noqa: E402
-import sys  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 
 from torchrig._version import __version__  # noqa: E402

@@ -12,11 +12,12 @@ signal (SIGTERM, SIGHUP: the job is being ended) means no worker starts and the 
 launches nothing (:func:`release`) gets the default action back, and what was held is raised
 again, so for it nothing changed.
 
-Imports nothing but :mod:`signal` and :mod:`threading`: it runs before everything else.
+Imports nothing but :mod:`os`, :mod:`signal` and :mod:`threading`: it runs before everything else.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
@@ -34,6 +35,12 @@ _holding = False
 
 def _remember(signum: int, frame: Any) -> None:
     _held.append(signum)
+
+
+def started_as_torchrig(argv0: str) -> bool:
+    """Whether this process is the ``torchrig`` command (its console script, ``python -m torchrig``),
+    not a program that imports the CLI (whose signals are its own)."""
+    return os.path.basename(argv0) == "torchrig" or argv0.endswith(os.path.join("torchrig", "__main__.py"))
 
 
 def hold() -> None:
@@ -69,4 +76,4 @@ def release() -> None:
         signal.raise_signal(signum)
 
 
-__all__ = ["HELD_SIGNAL", "HELD_STOP_SIGNALS", "hold", "release", "stop_requested", "take"]
+__all__ = ["HELD_SIGNAL", "HELD_STOP_SIGNALS", "hold", "release", "started_as_torchrig", "stop_requested", "take"]
