@@ -40,6 +40,31 @@ def build(seed: int = 0, **config_overrides) -> peft.PeftModel:
     return peft.get_peft_model(base, lora_config())
 
 
+#: bitsandbytes' CPU 4-bit kernels need rows of at least one quantization block (64 values).
+QLORA_CONFIG = {"hidden_size": 64, "intermediate_size": 128}
+
+
+def save_base(directory: str, seed: int = 0) -> None:
+    """The base model's weights as ``from_pretrained`` reads them (QLoRA quantizes while loading)."""
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(llama_config(**QLORA_CONFIG)).save_pretrained(directory)
+
+
+def build_qlora(directory: str, seed: int = 0) -> peft.PeftModel:
+    """QLoRA: the base loaded from ``directory`` quantized to 4-bit NF4 by bitsandbytes (fp32 compute),
+    prepared for k-bit training, LoRA adapters on top (seeded: the same in every process)."""
+    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_compute_dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization,
+                                                             device_map="cpu")
+    base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, lora_config())
+    # from_pretrained returns eval mode; a training loop sets train mode (bitsandbytes' CPU eval forward repacks the
+    # 4-bit weights in place, and state_dict() unpacks them again, not bit-exactly)
+    return model.train()
+
+
 def make_data(samples: int, seed: int = 1234) -> torch.utils.data.TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     return torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (samples, SEQ), generator=generator))
@@ -77,11 +102,11 @@ def full_state(accelerator, model) -> dict[str, torch.Tensor]:
 
 
 def reference(samples: int, global_batch: int, accumulation: int, start: int = 0,
-              stop: int | None = None) -> dict:
+              stop: int | None = None, make_model=build) -> dict:
     """One process, batches of ``global_batch`` (every rank's micro-batch concatenated), the loss divided by
     the accumulation steps, clipped at :data:`CLIP` before each AdamW step. Micro-batches ``start`` to
     ``stop`` are recorded (the ones before train all the same: a resumed run's history)."""
-    model = build()
+    model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     loader = torch.utils.data.DataLoader(make_data(samples), batch_size=global_batch)
     losses, norms = [], []
@@ -96,6 +121,6 @@ def reference(samples: int, global_batch: int, accumulation: int, start: int = 0
                 norms.append(norm)
         if index >= start:
             losses.append(float(loss.detach()))
-    state = {name: t.detach().float().clone() for name, t in model.state_dict().items()}
+    state = {name: t.detach().float().clone() for name, t in model.state_dict().items() if t.is_floating_point()}
     return {"losses": losses, "norms": norms, "state": state, "optimizer_states": len(optimizer.state),
             "adapters": adapter_names(model)}

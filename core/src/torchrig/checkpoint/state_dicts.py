@@ -236,6 +236,22 @@ def load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
     optimizer.load_state_dict(state)
 
 
+def load_model_state(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    """``model.load_state_dict(state)`` (strict), except for keys the model's own ``state_dict()`` writes but its
+    ``load_state_dict`` does not read back — bitsandbytes' 4-bit layers write their quantization state
+    (``weight.absmax``, ``weight.quant_map``, ...) beside the packed weight, derived from it: such a key is accepted
+    when it equals the live value and refused, naming it, when it differs (a checkpoint of another base model)."""
+    result = model.load_state_dict(state, strict=False)
+    live = model.state_dict() if result.unexpected_keys else {}
+    unexpected = [key for key in result.unexpected_keys
+                  if not (isinstance(live.get(key), torch.Tensor) and isinstance(state[key], torch.Tensor)
+                          and torch.equal(live[key].cpu(), state[key].cpu()))]
+    if result.missing_keys or unexpected:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}: missing keys: "
+                           f"{result.missing_keys}; unexpected keys (or a model-written key whose value differs "
+                           f"from this model's): {unexpected}")
+
+
 def load_plain_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str,
                      manifest: Mapping[str, Any] | None = None) -> None:
     """Load what :func:`save_plain_state` wrote, onto this rank's device. A checkpoint whose
@@ -246,9 +262,9 @@ def load_plain_state(run: RunContext, prepared: Sequence[PreparedModel], directo
         _check_plain(run, directory, manifest, len(prepared))
     for index, item in enumerate(prepared):
         model = item.unwrapped
-        model.load_state_dict(read_model_file(directory, index, "cpu", into=model.state_dict()))
+        load_model_state(model, read_model_file(directory, index, "cpu", into=model.state_dict()))
         for optimizer, stem in zip(item.optimizers, _optimizer_names(index, prepared)):
             load_optimizer_state(optimizer, load_structured(directory, stem, location, live=optimizer.state_dict()))
 
 
-__all__ = ["ALIASES_KEY", "load_optimizer_state", "load_plain_state", "model_files", "load_structured", "read_model_file", "save_plain_state", "save_structured", "split_aliases"]
+__all__ = ["ALIASES_KEY", "load_model_state", "load_optimizer_state", "load_plain_state", "model_files", "load_structured", "read_model_file", "save_plain_state", "save_structured", "split_aliases"]

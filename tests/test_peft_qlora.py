@@ -1,0 +1,101 @@
+"""QLoRA on CPU: a transformers Llama loaded 4-bit (bitsandbytes NF4, fp32 compute) with LoRA adapters (peft),
+trained through torchrig under DDP on two gloo ranks: like one process on the concatenated batches (accumulation
+2, clipping), the base stays quantized and frozen, only the adapters get optimizer state, and
+``save_state``/``load_state`` resume bit-for-bit. The workload is tests/peft_lora.py. bitsandbytes' CPU backend
+runs these kernels here (no GPU needed); a model narrower than one quantization block (64) is refused by it."""
+
+from __future__ import annotations
+
+import functools
+import gc
+
+import peft_lora
+import pytest
+import torch
+from torchrig.testing.contracts import rank_environment
+
+pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 240
+WORLD, PER_RANK, ACCUMULATION, OPTIMIZER_STEPS = 2, 2, 2, 3
+MICRO = ACCUMULATION * OPTIMIZER_STEPS
+SAMPLES = WORLD * PER_RANK * MICRO * 2
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("qlora-base"))
+    peft_lora.save_base(directory)
+    return directory
+
+
+def _prepared(base_dir):
+    from torchrig import Accelerator
+
+    gc.collect()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    model = peft_lora.build_qlora(base_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peft_lora.LR)
+    loader = torch.utils.data.DataLoader(peft_lora.make_data(SAMPLES), batch_size=PER_RANK)
+    return accelerator, *accelerator.prepare(model, optimizer, loader)
+
+
+def _adapters(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _train(ctx, base_dir):
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator, model, optimizer, loader = _prepared(base_dir)
+        result = peft_lora.train(accelerator, model, optimizer, loader, MICRO)
+        unwrapped = accelerator.unwrap_model(model)
+        q_proj = unwrapped.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.base_layer")
+        result.update(strategy=accelerator.strategy, adapters=_adapters(unwrapped),
+                      base=(type(q_proj).__name__, str(q_proj.weight.dtype), q_proj.weight.requires_grad),
+                      with_state=sum(1 for p in unwrapped.parameters() if optimizer.state.get(p)),
+                      frozen_with_state=sum(1 for p in unwrapped.parameters()
+                                            if optimizer.state.get(p) and not p.requires_grad))
+        accelerator.end_training()
+        return result
+
+
+def test_qlora_under_ddp_trains_like_one_process_with_state_for_adapters_only(gloo_pool, base_dir):
+    expected = peft_lora.reference(SAMPLES, WORLD * PER_RANK, ACCUMULATION, stop=MICRO,
+                                   make_model=functools.partial(peft_lora.build_qlora, base_dir))
+    assert max(expected["norms"]) > peft_lora.CLIP  # clipping takes effect
+    for result in gloo_pool.run(_train, base_dir, timeout=TIMEOUT):
+        assert result["strategy"] == "ddp"
+        assert result["base"] == ("Linear4bit", "torch.uint8", False)  # still quantized and frozen
+        assert sorted(result["adapters"]) == sorted(expected["adapters"])
+        assert result["with_state"] == len(expected["adapters"]) == expected["optimizer_states"]
+        assert result["frozen_with_state"] == 0
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5, abs=1e-6)
+        assert result["norms"] == pytest.approx(expected["norms"], rel=1e-4)
+        for name, tensor in result["adapters"].items():
+            torch.testing.assert_close(tensor, expected["state"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _leg(ctx, base_dir, load_from, save_to, micro):
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator, model, optimizer, loader = _prepared(base_dir)
+        if load_from:
+            accelerator.load_state(load_from)
+        result = peft_lora.train(accelerator, model, optimizer, loader, micro)
+        if save_to:
+            accelerator.save_state(save_to)
+        result["adapters"] = _adapters(accelerator.unwrap_model(model))
+        accelerator.end_training()
+        return result
+
+
+def test_qlora_under_ddp_save_state_load_state_resumes_bit_for_bit(gloo_pool, base_dir, tmp_path):
+    checkpoint = str(tmp_path / "ckpt")
+    k, m = 2 * ACCUMULATION, 2 * ACCUMULATION
+    gloo_pool.run(_leg, base_dir, None, checkpoint, k, timeout=TIMEOUT)
+    continued = gloo_pool.run(_leg, base_dir, checkpoint, None, m, timeout=TIMEOUT)
+    uninterrupted = gloo_pool.run(_leg, base_dir, None, None, k + m, timeout=TIMEOUT)
+    for rank in range(WORLD):
+        assert continued[rank]["losses"] == uninterrupted[rank]["losses"][k:]
+        for name, tensor in uninterrupted[rank]["adapters"].items():
+            assert torch.equal(continued[rank]["adapters"][name], tensor), name
