@@ -1,5 +1,5 @@
 """QLoRA on CPU: a transformers Llama loaded 4-bit (bitsandbytes NF4, fp32 compute) with LoRA adapters (peft),
-trained through torchrig under DDP on two gloo ranks: like one process on the concatenated batches (accumulation
+trained through torchrig under DDP and FSDP2 on two gloo ranks: like one process on the concatenated batches (accumulation
 2, clipping), the base stays quantized and frozen, only the adapters get optimizer state, and
 ``save_state``/``load_state`` resume bit-for-bit. The workload is tests/peft_lora.py. bitsandbytes' CPU backend
 runs these kernels here (no GPU needed); a model narrower than one quantization block (64) is refused by it."""
@@ -30,11 +30,11 @@ def base_dir(tmp_path_factory):
     return directory
 
 
-def _prepared(base_dir):
+def _prepared(base_dir, strategy="ddp"):
     from torchrig import Accelerator
 
     gc.collect()
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    accelerator = Accelerator(cpu=True, strategy=strategy, gradient_accumulation_steps=ACCUMULATION)
     model = peft_lora.build_qlora(base_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=peft_lora.LR)
     loader = torch.utils.data.DataLoader(peft_lora.make_data(SAMPLES), batch_size=PER_RANK)
@@ -42,12 +42,13 @@ def _prepared(base_dir):
 
 
 def _adapters(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _train(ctx, base_dir):
+def _train(ctx, base_dir, strategy):
     with rank_environment(ctx.rank, ctx.world_size):
-        accelerator, model, optimizer, loader = _prepared(base_dir)
+        accelerator, model, optimizer, loader = _prepared(base_dir, strategy)
         result = peft_lora.train(accelerator, model, optimizer, loader, MICRO)
         unwrapped = accelerator.unwrap_model(model)
         q_proj = unwrapped.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.base_layer")
@@ -60,12 +61,13 @@ def _train(ctx, base_dir):
         return result
 
 
-def test_qlora_under_ddp_trains_like_one_process_with_state_for_adapters_only(gloo_pool, base_dir):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_qlora_trains_like_one_process_with_state_for_adapters_only(gloo_pool, base_dir, strategy):
     expected = peft_lora.reference(SAMPLES, WORLD * PER_RANK, ACCUMULATION, stop=MICRO,
                                    make_model=functools.partial(peft_lora.build_qlora, base_dir))
     assert max(expected["norms"]) > peft_lora.CLIP  # clipping takes effect
-    for result in gloo_pool.run(_train, base_dir, timeout=TIMEOUT):
-        assert result["strategy"] == "ddp"
+    for result in gloo_pool.run(_train, base_dir, strategy, timeout=TIMEOUT):
+        assert result["strategy"] == strategy
         assert result["base"] == ("Linear4bit", "torch.uint8", False)  # still quantized and frozen
         assert sorted(result["adapters"]) == sorted(expected["adapters"])
         assert result["with_state"] == len(expected["adapters"]) == expected["optimizer_states"]
@@ -76,9 +78,9 @@ def test_qlora_under_ddp_trains_like_one_process_with_state_for_adapters_only(gl
             torch.testing.assert_close(tensor, expected["state"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _leg(ctx, base_dir, load_from, save_to, micro):
+def _leg(ctx, base_dir, strategy, load_from, save_to, micro):
     with rank_environment(ctx.rank, ctx.world_size):
-        accelerator, model, optimizer, loader = _prepared(base_dir)
+        accelerator, model, optimizer, loader = _prepared(base_dir, strategy)
         if load_from:
             accelerator.load_state(load_from)
         result = peft_lora.train(accelerator, model, optimizer, loader, micro)
@@ -89,12 +91,13 @@ def _leg(ctx, base_dir, load_from, save_to, micro):
         return result
 
 
-def test_qlora_under_ddp_save_state_load_state_resumes_bit_for_bit(gloo_pool, base_dir, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_qlora_save_state_load_state_resumes_bit_for_bit(gloo_pool, base_dir, tmp_path, strategy):
     checkpoint = str(tmp_path / "ckpt")
     k, m = 2 * ACCUMULATION, 2 * ACCUMULATION
-    gloo_pool.run(_leg, base_dir, None, checkpoint, k, timeout=TIMEOUT)
-    continued = gloo_pool.run(_leg, base_dir, checkpoint, None, m, timeout=TIMEOUT)
-    uninterrupted = gloo_pool.run(_leg, base_dir, None, None, k + m, timeout=TIMEOUT)
+    gloo_pool.run(_leg, base_dir, strategy, None, checkpoint, k, timeout=TIMEOUT)
+    continued = gloo_pool.run(_leg, base_dir, strategy, checkpoint, None, m, timeout=TIMEOUT)
+    uninterrupted = gloo_pool.run(_leg, base_dir, strategy, None, None, k + m, timeout=TIMEOUT)
     for rank in range(WORLD):
         assert continued[rank]["losses"] == uninterrupted[rank]["losses"][k:]
         for name, tensor in uninterrupted[rank]["adapters"].items():
