@@ -1,6 +1,8 @@
-"""LoRA (peft) under the fsdp strategy (FSDP2) on two gloo ranks, the frozen base sharded too: a transformers Llama with a frozen base and trainable
-adapters trains like one process on the concatenated batches (accumulation 2, clipping), only the adapters get
-optimizer state, and ``save_state``/``load_state`` resume bit-for-bit. The workload is tests/peft_lora.py."""
+"""LoRA (peft) under the fsdp strategy. FSDP2 on two gloo ranks: every parameter, the frozen base included, is
+sharded; a transformers Llama with trainable adapters trains like one process on the concatenated batches
+(accumulation 2, clipping), only the adapters get optimizer state, and ``save_state``/``load_state`` resume
+exactly. FSDP2 x TP 2 x 2 on four ranks: the model's own tensor-parallel plan made to follow the adapters
+(``torchrig_fsdp.wrapping.adapter_tp_plan``). The workload is tests/peft_lora.py."""
 
 from __future__ import annotations
 
