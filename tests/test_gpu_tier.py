@@ -196,3 +196,62 @@ def test_a_forced_cuda_device_is_the_one_used(monkeypatch):
     assert accelerator.device.type == "cuda"
     model = accelerator.prepare(mlp())
     assert next(model.parameters()).is_cuda
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers, config, transformers.LlamaForCausalLM(config)
+
+
+def _train_steps(accelerator: Accelerator, model, optimizer, steps: int = 3) -> list[float]:
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(2)).to(accelerator.device)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_transformers_llama_trains_in_bf16_and_its_weights_go_out_and_back_in(tmp_path):
+    """A transformers model on the GPU: bf16 training, save_model read by from_pretrained bit-exactly, and
+    load_pretrained_weights into a prepared copy (the installed transformers, not the pinned CPU one)."""
+    transformers, config, model = _tiny_llama()
+    accelerator = Accelerator(mixed_precision="bf16")
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert next(model.parameters()).is_cuda
+    losses = _train_steps(accelerator, model, optimizer)
+    assert losses[-1] < losses[0]
+    accelerator.save_model(model, tmp_path / "out")
+    trained = {k: v.detach().cpu() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    torch.manual_seed(1)
+    fresh = accelerator.prepare(transformers.LlamaForCausalLM(config))
+    accelerator.load_pretrained_weights(fresh, tmp_path / "out")
+    for name, tensor in accelerator.unwrap_model(fresh).state_dict().items():
+        assert torch.equal(tensor.cpu(), trained[name]), name
+
+
+def test_lora_on_the_gpu_trains_the_adapters_alone_and_saves_them_alone(tmp_path):
+    peft = pytest.importorskip("peft")
+    _, _, model = _tiny_llama()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    accelerator = Accelerator(mixed_precision="bf16")
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train_steps(accelerator, model, optimizer)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert {id(p) for p in optimizer.state} == {id(p) for p in trainable}  # state for the adapters only
+    for name, param in accelerator.unwrap_model(model).named_parameters():
+        if name in frozen:
+            assert torch.equal(param.detach().cpu(), frozen[name].cpu()), name
+    accelerator.save_model(model, tmp_path / "adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
