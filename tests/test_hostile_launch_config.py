@@ -221,7 +221,7 @@ def test_a_tracker_whose_log_calls_sys_exit_has_every_event_counted_and_is_repor
     assert row["delivered"] + row["dropped"] == 31, row  # every event accounted for
     assert (row["delivered"], row["failed"], row["errors"]) == (16, 15, 15), row
     assert row["last_error"] == "SystemExit: 3" and row["state"] == "finished"
-    assert any("tracker 'exits_on_log' finished: delivered 16 events, dropped 15 (15 failed)" in r.getMessage()
+    assert any("tracker 'exits_on_log' finished: delivered 16 events, dropped 15 (15 failed: steps 0, 2, 4" in r.getMessage()
                for r in caplog.records)
 
 
