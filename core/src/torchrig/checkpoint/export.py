@@ -95,9 +95,7 @@ def save_weights(state: Mapping[str, Any], directory: str, max_shard_size: int |
         tensors, aliases = split_aliases(tensors)
     shards = shard(tensors, limit)
     weights, index_name = (SAFE_WEIGHTS, SAFE_INDEX) if safe_serialization else (PT_WEIGHTS, PT_INDEX)
-    stem, suffix = weights.rsplit(".", 1)
-    names = [weights] if len(shards) == 1 else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{suffix}"
-                                                for i in range(len(shards))]
+    names = shard_names(weights, len(shards))
     metadata = {"format": "pt"}
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases)
@@ -109,14 +107,33 @@ def save_weights(state: Mapping[str, Any], directory: str, max_shard_size: int |
             write_atomic(path, lambda tmp, part=part: save_file(part, tmp, metadata=metadata))
         else:
             write_atomic(path, lambda tmp, part=part: torch.save(part, tmp))
-    written = list(names)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    written = [*names, *write_index_and_prune(directory, weights, index_name, names, shards, total, aliases)]
+    fsync_path(directory)
+    return written
+
+
+def shard_names(weights: str, count: int) -> list[str]:
+    """transformers' file names: ``weights`` alone, or ``<stem>-00001-of-0000N.<suffix>`` for ``count`` shards."""
+    stem, suffix = weights.rsplit(".", 1)
+    return [weights] if count == 1 else [f"{stem}-{i + 1:05d}-of-{count:05d}.{suffix}" for i in range(count)]
+
+
+def write_index_and_prune(directory: str, weights: str, index_name: str, names: list[str],
+                          shards: list[Mapping[str, Any]], total_size: int,
+                          aliases: Mapping[str, str] | None = None) -> list[str]:
+    """After the weights files ``names`` (``weights``, or its numbered shards) are written: the index (``weight_map``, aliases
+    pointing at their source's file) when there are several, else no stale index of an earlier sharded
+    save; and no weights file of an earlier save that this one did not write. Returns ``[index_name]``
+    when an index was written."""
+    stem, suffix = weights.rsplit(".", 1)
     index_path = os.path.join(directory, index_name)
+    written = []
     if len(shards) > 1:
         weight_map = {name: file for file, part in zip(names, shards) for name in part}
-        for alias, name in aliases.items():
+        for alias, name in (aliases or {}).items():
             weight_map[alias] = weight_map[name]
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
 
         def write_index(tmp: str) -> None:
             with open(tmp, "w") as handle:
@@ -131,7 +148,6 @@ def save_weights(state: Mapping[str, Any], directory: str, max_shard_size: int |
     for name in os.listdir(directory):
         if pattern.match(name) and name not in names:
             os.unlink(os.path.join(directory, name))
-    fsync_path(directory)
     return written
 
 
@@ -173,4 +189,4 @@ def save_object(obj: Any, path: str, safe_serialization: bool = False) -> None:
     fsync_path(directory)
 
 
-__all__ = ["parse_size", "save_object", "save_pretrained_files", "save_weights", "shard", "write_atomic"]
+__all__ = ["parse_size", "save_object", "save_pretrained_files", "save_weights", "shard", "shard_names", "write_atomic", "write_index_and_prune"]

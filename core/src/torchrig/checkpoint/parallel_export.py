@@ -14,9 +14,7 @@ parameters are not DTensors) go through the strategy's gathered full state dict 
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +27,9 @@ from torchrig.checkpoint.export import (
     SAFE_WEIGHTS,
     parse_size,
     shard,
+    shard_names,
     write_atomic,
+    write_index_and_prune,
 )
 from torchrig.checkpoint.files import CheckpointError, fsync_path
 from torchrig.checkpoint.hf_names import tied_targets, transformers_state, write_config_files
@@ -88,9 +88,7 @@ def save_in_parallel(model: torch.nn.Module, state: Mapping[str, Any], directory
             error = f"cannot create {directory}: {exc}"
     _agree(error, f"creating {directory}")
     shards = shard(state, limit)
-    stem, suffix = SAFE_WEIGHTS.rsplit(".", 1)
-    names = [SAFE_WEIGHTS] if len(shards) == 1 else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{suffix}"
-                                                     for i in range(len(shards))]
+    names = shard_names(SAFE_WEIGHTS, len(shards))
     written: list[str] = []
     error = None
     for first in range(0, len(shards), world):
@@ -115,25 +113,8 @@ def save_in_parallel(model: torch.nn.Module, state: Mapping[str, Any], directory
     error = None
     if rank == 0:
         try:
-            index_path = os.path.join(directory, SAFE_INDEX)
-            if len(shards) > 1:
-                weight_map = {name: file for file, part in zip(names, shards) for name in part}
-                total = sum(value.numel() * value.element_size() for value in state.values())
-                index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-
-                def write_index(tmp: str) -> None:
-                    with open(tmp, "w") as handle:
-                        json.dump(index, handle, indent=2)
-                        handle.write("\n")
-
-                write_atomic(index_path, write_index)
-                written.append(SAFE_INDEX)
-            elif os.path.exists(index_path):
-                os.unlink(index_path)  # an earlier sharded save's index would point at stale shards
-            pattern = re.compile(rf"^{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.{re.escape(suffix)}$")
-            for name in os.listdir(directory):
-                if pattern.match(name) and name not in names:
-                    os.unlink(os.path.join(directory, name))
+            total = sum(value.numel() * value.element_size() for value in state.values())
+            written += write_index_and_prune(directory, SAFE_WEIGHTS, SAFE_INDEX, names, shards, total)
             written += write_config_files(model, directory)
             fsync_path(directory)
         except (CheckpointError, OSError) as exc:
