@@ -38,10 +38,10 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from torchrig.checkpoint.export import SAFE_INDEX, SAFE_WEIGHTS
 from torchrig.checkpoint.files import CheckpointError
 from torchrig.checkpoint.hf_names import tied_targets, transformers_state
 
-SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 _SHOWN = 12
 
 
