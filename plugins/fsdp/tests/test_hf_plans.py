@@ -3,8 +3,8 @@
 The declared table (:data:`torchrig_fsdp.hf_styles.TRANSFORMERS_STYLES`) against the installed
 transformers' ``ALL_PARALLEL_STYLES`` (a new style fails here), the docs' table against the declared
 one, refusals by name; then real transformers models of several families, built from tiny configs,
-trained through the fsdp strategy under TP 2 (2 gloo ranks) and FSDP2 x TP 2 x 2 (4 ranks) against
-a one-process reference: the losses of every step and every parameter after, gathered with
+trained through the fsdp strategy under TP 2 (2 gloo ranks), FSDP2 x TP 2 x 2, HSDP's replicate axis
+x TP 2 x 2 and pure HSDP 2 x 2 (4 ranks) against a one-process reference: the losses of every step and every parameter after, gathered with
 ``full_tensor()``. Several families share one pooled task; every task has a hard timeout.
 """
 
@@ -206,7 +206,26 @@ LAYOUTS = {
     "fsdp2xtp": ({"dp_shard_size": 2, "tp_size": 2}, 2, 2, 4),
     # HSDP's replicate axis x TP (a shard axis of 1: a real HSDP x TP mesh needs 8 ranks)
     "replicate_x_tp": ({"dp_replicate_size": 2, "tp_size": 2}, 2, 2, 4),
+    # pure HSDP: tp 1, so the model's own plan is not used; 4 data-parallel ranks
+    "hsdp": ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4, 1, 4),
 }
+
+#: What the tp axis (the last mesh dim) does to a few parameters under the model's own plan.
+_TP_PLACEMENTS = (("k_proj.weight", "Shard(dim=0)"), ("query_key_value.weight", "Shard(dim=0)"),
+                  ("lm_head.weight", "Shard(dim=0)"), ("gate_up_proj", "_StridedShard(dim=1, sf=2)"),
+                  ("experts.down_proj", "Shard(dim=2)"), ("k_norm.weight", "Replicate()"))
+
+
+def _check_placements(layout: str, family: str, seen: dict) -> None:
+    assert seen, f"{family}: none of the watched parameters found"
+    for name, placements in seen.items():
+        assert placements is not None, f"{family} {name} was not sharded"
+        if layout == "hsdp":  # replicated over the first axis, sharded by FSDP2 along dim 0 over the second
+            assert placements == ("Replicate()", "Shard(dim=0)"), (family, name, placements)
+            continue
+        for suffix, expected in _TP_PLACEMENTS:
+            if name.endswith(suffix):
+                assert placements[-1] == expected, (family, name, placements)
 
 
 @pytest.mark.multiprocess
@@ -218,18 +237,7 @@ def test_every_family_trains_from_its_own_plan_like_one_process(request, layout)
     results = pool.run(_train_families, families, parallelism, dp_size, timeout=TIMEOUT)
     for family in families:
         _check_against_reference(results, family, dp_size, tp_size)
-        layout_seen = results[0][family]["layout"]
-        tp = "Shard(dim=0)"  # the tp axis is the last mesh dim: its placement is the last one
-        for name, placements in layout_seen.items():
-            assert placements is not None, f"{family} {name} was not sharded"
-            if name.endswith(("k_proj.weight", "query_key_value.weight", "lm_head.weight")):
-                assert placements[-1] == tp, (family, name, placements)
-            if name.endswith("gate_up_proj"):
-                assert placements[-1] == "_StridedShard(dim=1, sf=2)", placements
-            if name.endswith("experts.down_proj"):
-                assert placements[-1] == "Shard(dim=2)", placements
-            if name.endswith("k_norm.weight"):
-                assert placements[-1] == "Replicate()", placements
+        _check_placements(layout, family, results[0][family]["layout"])
 
 
 def _tie_split_differently(ctx) -> str | None:
