@@ -62,10 +62,51 @@ def test_plugins_json_lists_core_builtins_with_distribution_and_version():
         row = by_key[key]
         assert row["distribution"] == "torchrig"
         assert row["version"] == torchrig.__version__
-        assert row["status"] in ("selected", "available")
+        assert row["status"] in ("selected", "available") or key[0] == "device"
     assert by_key[("strategy", "single")]["status"] == "selected"
     assert by_key[("precision", "no")]["status"] == "selected"
     assert by_key[("device", "cuda")]["summary"]
+
+
+@pytest.mark.multiprocess
+def test_plugins_lists_an_absent_device_as_unavailable_with_the_reason():
+    """Issue 41: cuda and mps were "available" on a machine with neither."""
+    import torch
+
+    result = run_cli("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    by_name = {r["name"]: r for r in json.loads(result.stdout)["plugins"] if r["kind"] == "device"}
+    assert by_name["cpu"]["status"] == "available"
+    if not torch.cuda.is_available():
+        assert by_name["cuda"]["status"] == "unavailable"
+        assert by_name["cuda"]["reason"] in ("no CUDA device visible", f"torch {torch.__version__} is built without CUDA")
+    if sys.platform != "darwin":
+        assert by_name["mps"]["status"] == "unavailable"
+        assert "macOS" in by_name["mps"]["reason"]
+    table = run_cli("plugins", "--kind", "device")
+    mps_line = next(line for line in table.stdout.splitlines() if line.split()[:2] == ["device", "mps"])
+    assert "unavailable" in mps_line and "macOS" in mps_line
+
+
+def _fake_torch(tmp_path, cuda, hip="None"):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "version.py").write_text(
+        f"from typing import Optional\n__version__ = '9.9.9'\ncuda: Optional[str] = {cuda}\nhip = {hip}\n")
+    (tmp_path / "dev").mkdir()
+    return tmp_path / "torch", tmp_path / "dev"
+
+
+def test_cuda_absence_is_read_from_the_torch_build_and_the_device_nodes(tmp_path):
+    from torchrig.builtins.device_presence import cuda_absence
+
+    torch_dir, dev = _fake_torch(tmp_path, cuda="'12.4'")
+    assert cuda_absence(torch_dir=torch_dir, dev_dir=dev, environ={}) == "no CUDA device visible"
+    (dev / "nvidia0").write_text("")
+    assert cuda_absence(torch_dir=torch_dir, dev_dir=dev, environ={}) is None
+    assert cuda_absence(torch_dir=torch_dir, dev_dir=dev, environ={"CUDA_VISIBLE_DEVICES": ""}) == (
+        "no CUDA device visible (CUDA_VISIBLE_DEVICES='' hides every GPU)")
+    (torch_dir / "version.py").write_text("__version__ = '9.9.9'\ncuda = None\nhip = None\n")
+    assert cuda_absence(torch_dir=torch_dir, dev_dir=dev, environ={}) == "torch 9.9.9 is built without CUDA"
 
 
 @pytest.mark.multiprocess

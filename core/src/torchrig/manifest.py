@@ -86,6 +86,12 @@ class PluginManifest:
     #: options (``"deepspeed_plugin"``): the run's section object when selected, ``None`` otherwise.
     state_attribute: ClassVar[str | None] = None
 
+    def unavailable_reason(self) -> str | None:
+        """Why the plugin cannot be used on this machine although it is installed (its device is
+        absent: ``"no CUDA device visible"``), or None. ``torchrig plugins`` asks every installed
+        plugin, so this must be cheap and torch-free (read files, variables, metadata)."""
+        return None
+
     @hookimpl
     def torchrig_config_sections(self) -> list[ConfigSection]:
         return [self.config_section] if self.config_section is not None else []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from torchrig.builtins.device_presence import cuda_absence, mps_absence
 from torchrig.builtins.handoff import MPIOptions, SlurmOptions
 from torchrig.hookspecs import HOOK_API_VERSION
 from torchrig.manifest import PluginManifest
@@ -51,11 +52,17 @@ class DEVICE_MPS(_Device):
     summary = "Apple Metal (MPS)"
     priority = 50
 
+    def unavailable_reason(self) -> str | None:
+        return mps_absence()
+
 
 class DEVICE_CUDA(_Device):
     summary = "NVIDIA CUDA GPUs (nccl process groups), one per local rank"
     priority = 100
     distributed_device = "GPU"
+
+    def unavailable_reason(self) -> str | None:
+        return cuda_absence()
 
 
 # Cluster environments, asked in descending priority (torchrig.builtins.clusters explains why):

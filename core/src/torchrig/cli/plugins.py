@@ -15,17 +15,24 @@ from torchrig.runtime import DEFAULT_PRECISION, DEFAULT_STRATEGY
 DEFAULT_SELECTION = {f"strategy:{DEFAULT_STRATEGY}", f"precision:{DEFAULT_PRECISION}"}
 
 
-def _status(info: PluginInfo) -> str:
-    if info.status is PluginStatus.AVAILABLE and info.key in DEFAULT_SELECTION:
-        return PluginStatus.SELECTED.value
-    return info.status.value
+def _status(info: PluginInfo) -> tuple[str, str | None]:
+    """The listed status and reason. An installed plugin whose hardware is absent says so through its
+    manifest's ``unavailable_reason`` (a device plugin with no device is not "available")."""
+    if info.status is PluginStatus.AVAILABLE:
+        ask = getattr(info.manifest, "unavailable_reason", None)  # a manifest not built on PluginManifest
+        absent = ask() if callable(ask) else None
+        if absent:
+            return PluginStatus.UNAVAILABLE.value, absent
+        if info.key in DEFAULT_SELECTION:
+            return PluginStatus.SELECTED.value, None
+    return info.status.value, info.reason
 
 
 def listing(host: PluginHost, kind: str | None = None) -> list[dict[str, object]]:
     rows = []
     for info in host.plugins(kind):
         row = info.describe()
-        row["status"] = _status(info)
+        row["status"], row["reason"] = _status(info)
         rows.append(row)
     return rows
 
