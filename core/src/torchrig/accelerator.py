@@ -49,6 +49,7 @@ from torchrig.step_contexts import AccumulateContext, adjusted_autocast
 from torchrig.step_plan import StepPlan
 from torchrig.tracking import TrackerHub
 from torchrig.types import Capabilities, PreparedModel
+from torchrig.unprepared import UnpreparedParameterCheck
 
 
 class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCalls):
@@ -121,6 +122,9 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
         self._configure_accumulation()
         self._plan: StepPlan | None = None
         self._plan_generation = -1
+        self._unprepared = UnpreparedParameterCheck(
+            live_param_ids=self._prepared_param_ids, syncing=lambda: self.gradient_state.sync_gradients,
+            data_parallel_size=lambda: getattr(self._run.capabilities, "data_parallel_size", None), on_done=self._replan)
         #: What is prepared and registered, in order: appended to here, read by the checkpoints.
         self._ledger = CheckpointLedger(self._run, self.gradient_state)
         self._models: list[PreparedModel] = self._ledger.models
@@ -320,10 +324,15 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
             if self._compile_check.active:  # the compile verdict after the first steps, then out of the plan
                 self._plan = attrs.evolve(self._plan, optimizer_step=self._compile_check.wrap_optimizer_step(
                     self._plan.optimizer_step))
+            if self._unprepared.active:  # once: gradients of parameters outside every prepared model
+                self._plan = self._unprepared.wrap_plan(self._plan)
             self._plan_generation = self._host.generation
             for optimizer in self._optimizers:
                 optimizer.plan = self._plan
         return self._plan
+
+    def _prepared_param_ids(self) -> set[int]:
+        return set().union(*(_live_param_ids(prepared) for prepared in self._models))
 
     def _replan(self) -> None:
         self._plan = None
