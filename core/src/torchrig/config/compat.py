@@ -110,4 +110,127 @@ DISTRIBUTED_TYPE_HINTS: dict[str, str] = {
     "DEEPSPEED": "torchrig[deepspeed]",
 }
 
-__all__ = ["ACCELERATE_KEYS", "BY_KEY", "DISTRIBUTED_TYPE_HINTS", "AccelerateKey"]
+
+# -- the flags of `accelerate launch` ------------------------------------------------------------
+
+
+@attrs.frozen
+class AccelerateFlag:
+    """A flag of Accelerate's ``accelerate launch`` that torchrig's core has no flag of its own for
+    (an installed plugin may: then the plugin's flag is used and this entry is not)."""
+
+    #: Accelerate's spelling with underscores; its dash spelling is accepted too.
+    flag: str
+    #: ``"config"``: sets the torchrig key ``target`` (``const`` for a switch); a key of a plugin's
+    #: section whose plugin is absent gives that section's install hint, or the ``strategy``'s error.
+    #: ``"key"``: sets the Accelerate config key ``target`` of :data:`ACCELERATE_KEYS` (its note, its
+    #: accepted values). ``"applied"``: the launcher applies it (``note`` says how). ``"no_effect"``:
+    #: accepted with ``note``. ``"rejected"``: refused with ``note`` unless ``accepts`` the value.
+    status: str
+    target: str | None = None
+    note: str = ""
+    #: Whether the flag takes a value (else it is a switch: True, or ``const``).
+    takes_value: bool = False
+    const: Any = True
+    #: ``"rejected"`` flags: values accepted anyway (with the note), e.g. a size of 1.
+    accepts: Callable[[Any], bool] = _off
+    #: Plugin-owned flags: the Accelerate ``distributed_type`` whose plugin reads them (its absence
+    #: is reported exactly as ``--strategy`` reports it).
+    strategy: str | None = None
+    #: May be given several times (Accelerate's ``append`` flags).
+    repeated: bool = False
+
+
+def _value_flags(status: str, names: str, target: str | None = None, *, prefix: str = "",
+                 **kwargs: Any) -> list[AccelerateFlag]:
+    """``--{prefix}{name}`` for each name, each taking a value and setting ``target.format(name=name)``."""
+    return [AccelerateFlag(f"--{prefix}{name}", status, target.format(name=name) if target else None,
+                           takes_value=True, **kwargs) for name in names.split()]
+
+
+_DEEPSPEED_LAUNCHER = ("torchrig starts DeepSpeed's ranks with torch elastic, not DeepSpeed's launcher: run "
+                       "`torchrig launch --num_machines N --machine_rank R --main_process_ip IP` on each machine, "
+                       "or hand off with --cluster slurm / --cluster mpi (docs/launch.md)")
+_MEGATRON = "megatron_lm_config"
+_SEQUENCE_PARALLEL = ("Accelerate's sequence parallelism (DeepSpeed ALST/Ulysses) is not supported; torchrig's "
+                      "tensor-parallel plan shards sequences with SequenceParallel styles (docs/parallelism.md)")
+
+ACCELERATE_LAUNCH_FLAGS: tuple[AccelerateFlag, ...] = (
+    AccelerateFlag("--quiet", "no_effect", note="torchrig's failure summary already shows only the failing rank's "
+                   "traceback, never the launcher's own stack"),
+    AccelerateFlag("--multi_gpu", "config", "strategy", const="MULTI_GPU",
+                   note="selects the data-parallel strategy (distributed_type MULTI_GPU), on the detected device"),
+    AccelerateFlag("--tpu", "rejected", note=_TPU),
+    AccelerateFlag("--num_cpu_threads_per_process", "applied", takes_value=True,
+                   note="OMP_NUM_THREADS of every rank (it overrides the launcher's environment, as in Accelerate)"),
+    # A switch given is "on", which the config key refuses in a file (where "off" is what Accelerate writes);
+    # on the command line it is a habit, accepted with the key's note.
+    AccelerateFlag("--enable_cpu_affinity", "no_effect", note=BY_KEY["enable_cpu_affinity"].note),
+    AccelerateFlag("--use_deepspeed", "config", "strategy", const="DEEPSPEED", strategy="DEEPSPEED"),
+    AccelerateFlag("--use_fsdp", "config", "strategy", const="FSDP", strategy="FSDP"),
+    AccelerateFlag("--use_parallelism_config", "no_effect",
+                   note="torchrig builds the device mesh from parallelism_config whenever one of its sizes is set"),
+    AccelerateFlag("--use_megatron_lm", "key", _MEGATRON),
+    AccelerateFlag("--same_network", "key", "same_network"),
+    AccelerateFlag("--role", "no_effect", takes_value=True,
+                   note="torch elastic's worker role name; torchrig's logs name each worker by rank"),
+    AccelerateFlag("--rdzv_conf", "applied", takes_value=True,
+                   note="extra rendezvous options for torch elastic (key=value,...), as torchrun's --rdzv_conf"),
+    AccelerateFlag("--tpu_cluster", "key", "tpu_use_cluster"),
+    AccelerateFlag("--no_tpu_cluster", "key", "tpu_use_cluster", const=False),
+    AccelerateFlag("--tpu_use_sudo", "key", "tpu_use_sudo"),
+    AccelerateFlag("--vm", "key", "tpu_vm", takes_value=True, repeated=True),
+    AccelerateFlag("--env", "key", "tpu_env", takes_value=True, repeated=True),
+    AccelerateFlag("--main_training_function", "key", "main_training_function", takes_value=True),
+    AccelerateFlag("--downcast_bf16", "key", "downcast_bf16"),
+    # DeepSpeed: the plugin's own flags when it is installed.
+    AccelerateFlag("--deepspeed_config_file", "config", "deepspeed_config.deepspeed_config_file", takes_value=True,
+                   strategy="DEEPSPEED"),
+    *_value_flags("config", "zero_stage offload_optimizer_device offload_param_device offload_optimizer_nvme_path "
+                  "offload_param_nvme_path gradient_clipping zero3_init_flag zero3_save_16bit_model "
+                  "deepspeed_moe_layer_cls_names", "deepspeed_config.{name}", strategy="DEEPSPEED"),
+    AccelerateFlag("--deepspeed_hostfile", "rejected", takes_value=True, note=_DEEPSPEED_LAUNCHER),
+    AccelerateFlag("--deepspeed_exclusion_filter", "rejected", takes_value=True,
+                   note=_DEEPSPEED_LAUNCHER + "; choose GPUs with --gpu_ids"),
+    AccelerateFlag("--deepspeed_inclusion_filter", "rejected", takes_value=True,
+                   note=_DEEPSPEED_LAUNCHER + "; choose GPUs with --gpu_ids"),
+    AccelerateFlag("--deepspeed_multinode_launcher", "no_effect", takes_value=True, note=_DEEPSPEED_LAUNCHER),
+    # FSDP: the plugin's own flags when it is installed.
+    *_value_flags("config", "fsdp_version fsdp_offload_params fsdp_min_num_params fsdp_sharding_strategy "
+                  "fsdp_reshard_after_forward fsdp_auto_wrap_policy fsdp_transformer_layer_cls_to_wrap "
+                  "fsdp_backward_prefetch fsdp_state_dict_type fsdp_forward_prefetch fsdp_use_orig_params "
+                  "fsdp_cpu_ram_efficient_loading fsdp_sync_module_states fsdp_activation_checkpointing",
+                  "fsdp_config.{name}", strategy="FSDP"),
+    AccelerateFlag("--fsdp_activation_checkpointing_offload", "rejected", takes_value=True,
+                   note="offloading checkpointed activations to the CPU is not implemented "
+                        "(fsdp_config.activation_checkpointing keeps them on the device)"),
+    *_value_flags("key", " ".join(
+        f"megatron_lm_{name}" for name in (
+            "tp_degree use_custom_fsdp no_load_optim eod_mask_loss overlap_cpu_optimizer_d2h_h2d no_save_optim "
+            "optimizer_cpu_offload use_precision_aware_optimizer decoder_last_pipeline_num_layers pp_degree "
+            "num_micro_batches sequence_parallelism recompute_activations use_distributed_optimizer "
+            "gradient_clipping recompute_granularity recompute_method recompute_num_layers attention_backend "
+            "expert_model_parallel_size context_parallel_size attention_dropout hidden_dropout "
+            "attention_softmax_in_fp32 expert_tensor_parallel_size calculate_per_token_loss "
+            "use_rotary_position_embeddings").split()), _MEGATRON),
+    # fp8: the fp8 precision plugin's section (it refuses TransformerEngine/MS-AMP options by name).
+    *_value_flags("config", "backend margin interval amax_history_len amax_compute_algo override_linear_precision "
+                  "opt_level enable_fsdp_float8_all_gather pad_inner_dim", "fp8_config.{name}", prefix="fp8_"),
+    AccelerateFlag("--fp8_format", "config", "fp8_config.fp8_format", takes_value=True),
+    AccelerateFlag("--fp8_use_autocast_during_eval", "config", "fp8_config.use_autocast_during_eval"),
+    *_value_flags("rejected", "aws_access_key_id aws_secret_access_key", note=_SAGEMAKER),
+    AccelerateFlag("--debug", "no_effect", note=BY_KEY["debug"].note),
+    AccelerateFlag("--mpirun_hostfile", "key", "mpirun_config", takes_value=True),
+    *_value_flags("config", "parallelism_config_dp_replicate_size parallelism_config_dp_shard_size "
+                  "parallelism_config_tp_size parallelism_config_cp_size parallelism_config_cp_comm_strategy",
+                  "parallelism_config.{name}"),
+    AccelerateFlag("--parallelism_config_cp_backend", "rejected", takes_value=True,
+                   note="context parallelism runs on torch's own implementation (backend 'torch' only)",
+                   accepts=lambda value: str(value).lower() == "torch"),
+    *_value_flags("rejected", "parallelism_config_sp_size parallelism_config_sp_backend parallelism_config_sp_seq_length "
+                  "parallelism_config_sp_seq_length_is_variable parallelism_config_sp_attn_implementation",
+                  note=_SEQUENCE_PARALLEL, accepts=lambda value: _off(value) or str(value) == "1"),
+)
+
+__all__ = ["ACCELERATE_KEYS", "ACCELERATE_LAUNCH_FLAGS", "BY_KEY", "DISTRIBUTED_TYPE_HINTS", "AccelerateFlag",
+           "AccelerateKey"]

@@ -45,6 +45,13 @@ from torchrig.config.resolve import (
 )
 from torchrig.errors import ConfigError, TorchrigError
 from torchrig.launch import held_signals
+from torchrig.launch.accelerate_flags import (
+    AppliedFlags,
+    accelerate_entries,
+    add_accelerate_flags,
+    apply_accelerate_flags,
+    normalize_spelling,
+)
 from torchrig.launch.defaults import launcher_host
 from torchrig.launch.worker import KILL_GRACE_S, STOP_GRACE_S
 from torchrig.plugin_host import PluginHost
@@ -95,7 +102,7 @@ def build_parser(host: PluginHost) -> tuple[argparse.ArgumentParser, dict[str, F
     launcher.add_argument("--monitor_interval", type=_positive_float, default=0.1,
                           help="seconds between checks of the workers (default 0.1)")
     launcher.add_argument("--log_dir", help="status files and per-rank logs (default ./torchrig_logs/<run id>)")
-    launcher.add_argument("--tee", type=int, choices=(0, 1, 2, 3), default=3,
+    launcher.add_argument("-t", "--tee", type=int, choices=(0, 1, 2, 3), default=3,
                           help="streams copied to per-rank log files and shown with a [rankN]: prefix: "
                                "1 stdout, 2 stderr, 3 both (default), 0 none (unprefixed console output)")
     launcher.add_argument("--shutdown_grace", type=_positive_float, default=10.0, metavar="SECONDS",
@@ -108,6 +115,7 @@ def build_parser(host: PluginHost) -> tuple[argparse.ArgumentParser, dict[str, F
                           help="print the resolved configuration, plugins and each rank's environment; start nothing")
     flags = collect_flags(Schema(host))
     by_dest = add_config_flags(parser, flags, "configuration (highest precedence; handed to every worker)")
+    add_accelerate_flags(parser)
     return parser, by_dest
 
 
@@ -148,7 +156,8 @@ def split_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[li
     value starts the script's command line, which is passed on untouched.
 
     Done by hand because a boolean flag takes an *optional* value (``--cpu`` or ``--cpu false``)
-    and argparse would swallow ``script.py`` as that value.
+    and argparse would swallow ``script.py`` as that value. A flag spelled with dashes
+    (``--num-processes``, as Accelerate accepts) is read as its underscore spelling.
     """
     kinds: dict[str, str] = {}
     for action in parser._actions:
@@ -167,6 +176,7 @@ def split_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[li
             return flags, list(argv[i + 1:])
         if not token.startswith("-") or token == "-":
             return flags, list(argv[i:])
+        token = normalize_spelling(token, set(kinds))
         name, has_value, _ = token.partition("=")
         kind = kinds.get(name)
         if kind is None:
@@ -211,9 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
 
 
-def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None) -> int:
+def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None, host: PluginHost | None = None) -> int:
+    """``host``: the launcher's plugin host (default :func:`launcher_host`; tests pass one without a plugin)."""
     stdout = stdout or sys.stdout
-    host = launcher_host()
+    host = host or launcher_host()
     parser, by_dest = build_parser(host)
     flag_tokens, command = split_argv(parser, argv)
     args = parser.parse_args(flag_tokens)
@@ -223,6 +234,7 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None) -> int:
     if target is None and not args.dry_run:
         raise UsageError("no script to launch: torchrig launch [flags] script.py [args...]")
     flags = flag_values(args, by_dest)
+    accelerate = apply_accelerate_flags(args, accelerate_entries(parser), flags, Schema(host))
     config = resolve_config(host, config_file=args.config_file, flags=flags, default_file=True, warn=False)
     host.disable(config.get("disable_plugins") or [])
     layout = work_out_layout(config)
@@ -247,9 +259,10 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None) -> int:
         run_id="torchrig", max_restarts=args.max_restarts, monitor_interval=args.monitor_interval, log_dir=log_dir,
         tee=args.tee, shutdown_grace_s=args.shutdown_grace, master_addr=layout.master_addr,
         script_command=_script_command(mode, target or "<script>", target_args), cluster=config.get("cluster"),
-        config=config,
+        config=config, rdzv_configs=dict(accelerate.rdzv_configs),
     )
     env = worker_environment(host, plan, config, flags, config_file=args.config_file)
+    _apply_launcher_settings(accelerate, layout, env)
     import attrs
 
     plan = attrs.evolve(plan, env=env, warnings=tuple(warnings))
@@ -266,6 +279,17 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None) -> int:
         print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     _line_buffered()
     return run_plan(host, plan)
+
+
+def _apply_launcher_settings(accelerate: AppliedFlags, layout: Layout, env: dict[str, str]) -> None:
+    """Accelerate's launcher flags: the threads of every rank, and a note for each flag that does nothing."""
+    if accelerate.omp_num_threads is not None:
+        env["OMP_NUM_THREADS"] = str(accelerate.omp_num_threads)  # over the launcher's own, as Accelerate does
+    if accelerate.rdzv_configs and layout.rdzv_backend == "local":
+        accelerate.notes.append("--rdzv_conf has no effect: one machine with no --rdzv_backend runs no rendezvous "
+                                "round; pass --rdzv_backend c10d to use one")
+    for note in accelerate.notes:
+        print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
 
 
 def run_plan(host: PluginHost, plan: LaunchPlan) -> int:
