@@ -3,7 +3,7 @@
 Runs in seconds on a CPU; the same script runs on several processes or GPUs:
 
     python examples/train_mlp.py
-    torchrig launch --num_processes 2 examples/train_mlp.py        (once `torchrig launch` exists)
+    torchrig launch --num_processes 2 --cpu examples/train_mlp.py
 
 It uses the usual Accelerate-style loop: prepare, accumulate, backward, clip_grad_norm_,
 gather_for_metrics, main_process_first, unwrap_model. With --throughput the throughput monitor
