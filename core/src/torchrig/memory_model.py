@@ -170,7 +170,7 @@ def _cached_config(name: str) -> Any:
         raise ModelSpecError(
             f"MODEL {name!r} is not a local file or directory, not a module:function factory, and not a transformers "
             f"config in the local cache (looked up offline only: {str(exc).splitlines()[0]}). Pass the path of its "
-            f"config.json, or fetch it where there is a network (huggingface-cli download {name} config.json)"
+            f"config.json, or fetch it where there is a network (hf download {name} config.json)"
         ) from None
 
 
