@@ -1,7 +1,8 @@
 """QLoRA on CPU: a transformers Llama loaded 4-bit (bitsandbytes NF4, fp32 compute) with LoRA adapters (peft),
 trained through torchrig under DDP, FSDP2 and DeepSpeed ZeRO-3 on two gloo ranks: like one process on the
 concatenated batches (accumulation 2, clipping), the base stays quantized and frozen, only the adapters get
-optimizer state; under DDP and FSDP2 ``save_state``/``load_state`` resume bit-for-bit. The workload is tests/peft_lora.py. bitsandbytes' CPU backend
+optimizer state; ``save_state``/``load_state`` resume bit-for-bit under all three (under ZeRO-3 the module state
+DeepSpeed reads back holds bitsandbytes' quantization-state keys, which its strict load used to refuse). The workload is tests/peft_lora.py. bitsandbytes' CPU backend
 runs these kernels here (no GPU needed); a model narrower than one quantization block (64) is refused by it."""
 
 from __future__ import annotations
@@ -113,9 +114,7 @@ def _leg(ctx, base_dir, strategy, load_from, save_to, micro):
         return result
 
 
-# Not deepspeed: its engine loads the module strictly and refuses bitsandbytes' quantization-state keys
-# (torchrig_deepspeed/checkpoint.py, another engineer's file; reported).
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed"])
 def test_qlora_save_state_load_state_resumes_bit_for_bit(gloo_pool, base_dir, tmp_path, strategy):
     checkpoint = str(tmp_path / "ckpt")
     k, m = 2 * ACCUMULATION, 2 * ACCUMULATION

@@ -483,6 +483,57 @@ def test_a_checkpoint_of_another_strategy_is_refused_naming_both_layouts(tmp_pat
     assert "load it with the strategy and models it was saved with" in result.stderr
 
 
+class _WritesDerivedState(torch.nn.Linear):
+    """Writes a key into ``state_dict()`` that its load never reads back, derived from its weight — as
+    bitsandbytes' 4-bit layers write ``weight.absmax``/``quant_map`` (QLoRA; tests/test_peft_qlora.py)."""
+
+    def __init__(self, *args, derived: float = 1.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.derived = derived
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight.derived"] = torch.full((2,), self.derived)
+
+
+def _derived_state(ctx, directory, derived_at_load):
+    with rank_environment(ctx.rank, ctx.world_size):
+        def prepared(derived):
+            accelerator = accelerator_for(deepspeed_plugin=plugin(zero_stage=3, hf_ds_config=PARTITION_ALL))
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(_WritesDerivedState(6, 16, derived=1.0), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+            model[0].derived = derived
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            return (accelerator, *accelerator.prepare(model, optimizer, scheduler))
+
+        accelerator, model, optimizer, scheduler = prepared(1.0)
+        _steps(accelerator, model, optimizer, scheduler, 0, 2)
+        accelerator.save_state(directory)
+        _steps(accelerator, model, optimizer, scheduler, 2, 2)
+        continued = flat_state(accelerator.get_state_dict(model))
+        del accelerator, model, optimizer, scheduler
+        accelerator, model, optimizer, scheduler = prepared(derived_at_load)
+        try:
+            accelerator.load_state(directory)
+        except Exception as exc:  # noqa: BLE001 - the message is what is checked
+            return {"error": str(exc)}
+        _steps(accelerator, model, optimizer, scheduler, 2, 2)
+        resumed = flat_state(accelerator.get_state_dict(model))
+        return {"equal": torch.equal(continued, resumed) if continued.numel() else None}
+
+
+def test_zero3_load_accepts_a_model_written_key_equal_to_the_live_one_and_names_one_that_differs(gloo_pool, tmp_path):
+    """DeepSpeed loads the module strictly; torchrig loads it non-strictly and checks the keys as the core does:
+    a key the module writes but never reads back (bitsandbytes' quantization state) passes when it equals the
+    live value, and is refused by name when it does not (a checkpoint of another base model)."""
+    same = gloo_pool.run(_derived_state, str(tmp_path / "same"), 1.0, timeout=TIMEOUT)
+    assert same[0] == {"equal": True}, same[0]
+    other = gloo_pool.run(_derived_state, str(tmp_path / "other"), 2.0, timeout=TIMEOUT)
+    for result in other:
+        assert "0.weight.derived" in result["error"] and "differs from this model's" in result["error"], result
+
+
 def _save_model(ctx, weights):
     with rank_environment(ctx.rank, ctx.world_size):
         accelerator = accelerator_for(deepspeed_plugin=plugin(zero_stage=3, hf_ds_config=PARTITION_ALL))

@@ -5,7 +5,9 @@ reads the full state here and distributes it itself: ``model.safetensors`` (or
 ``pytorch_model.bin``) and ``optimizer.safetensors`` — whose per-parameter state is keyed by the
 parameter's position in the optimizer's param groups, as ``torch.optim.Optimizer.state_dict``
 numbers them. :func:`optimizer_by_name` re-keys it by parameter name. Nothing is unpickled
-beyond ``torch.load(weights_only=True)``.
+beyond ``torch.load(weights_only=True)``. ``load_model_state`` is the core's module load (non-strict,
+then every missing/unexpected key checked and named), for strategies whose engine loads a module
+state dict itself.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from torchrig.checkpoint.files import CheckpointError
 from torchrig.checkpoint.layout import numbered
-from torchrig.checkpoint.state_dicts import load_structured, model_files, read_model_file
+from torchrig.checkpoint.state_dicts import load_model_state, load_structured, model_files, read_model_file
 
 
 def read_model_state(directory: str, index: int, location: Any = "cpu") -> dict[str, Any]:
@@ -42,4 +44,4 @@ def optimizer_by_name(state: Mapping[str, Any], names: list[str], where: str) ->
             "param_groups": renamed_groups}
 
 
-__all__ = ["model_files", "optimizer_by_name", "read_model_state", "read_optimizer_state"]
+__all__ = ["load_model_state", "model_files", "optimizer_by_name", "read_model_state", "read_optimizer_state"]

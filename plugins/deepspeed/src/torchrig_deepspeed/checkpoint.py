@@ -16,6 +16,9 @@ one that reads with ``weights_only=True`` and allows only the DeepSpeed types it
 hold (:data:`SAFE_GLOBALS`); ``load_state(..., allow_pickle=True)`` gives DeepSpeed's own full
 unpickling back, for checkpoints the user trusts (docs/deepspeed.md).
 
+The module state DeepSpeed reads back goes through the core's module load (non-strict, then every
+missing/unexpected key checked, :func:`_load_module`) rather than DeepSpeed's strict one.
+
 DeepSpeed's ``latest`` file is never written and never read: the tag is always passed, and what
 is committed is decided by the core's manifest. ``load_checkpoint`` is asked for the tag and its
 ``None`` ("nothing loaded", which DeepSpeed only logs) is an error here.
@@ -32,7 +35,7 @@ import pickle
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from torchrig.checkpoint import topology
+from torchrig.checkpoint import plain, topology
 from torchrig.checkpoint.trust import PICKLE_OPT_IN
 from torchrig.run import RunContext
 
@@ -149,6 +152,15 @@ def _partitioned(record: EngineRecord) -> bool:
     return bool(engine.zero_optimization() or hasattr(engine.optimizer, "dp_process_group"))
 
 
+def _load_module(src: Mapping[str, Any], dst: Any) -> None:
+    """The module half of ``engine.load_checkpoint``: the core's check instead of DeepSpeed's strict
+    ``load_state_dict``, which refuses the keys a module writes into ``state_dict()`` but never reads
+    back (bitsandbytes' 4-bit quantization state, ``weight.absmax``/``quant_map``/``quant_state.*``,
+    under QLoRA). Such a key passes when it equals the live value; any other missing or unexpected
+    key is still an error naming it."""
+    plain.load_model_state(dst, src)
+
+
 def load_state(run: RunContext, records: Sequence[EngineRecord], directory: str, manifest: Mapping[str, Any],
                allow_pickle: bool = False) -> None:
     """Load every engine's checkpoint from its tag (collective), unpickling only safe types unless
@@ -178,8 +190,8 @@ def load_state(run: RunContext, records: Sequence[EngineRecord], directory: str,
         checkpoint_engine = engine.checkpoint_engine
         engine.checkpoint_engine = _SafeLoading(checkpoint_engine, allow_pickle)
         try:
-            load_path, _ = engine.load_checkpoint(directory, tag=record.tag, load_module_strict=True,
-                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+            load_path, _ = engine.load_checkpoint(directory, tag=record.tag, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True, custom_load_fn=_load_module)
         except DeepSpeedCheckpointError:
             raise
         except Exception as exc:
