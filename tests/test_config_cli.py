@@ -121,3 +121,102 @@ def test_bad_flag_value_and_unknown_flag(tmp_path, home):
 def test_validate_missing_file(tmp_path, home):
     result = cli("config", "validate", str(tmp_path / "missing.yaml"), env=home)
     assert result.returncode == 2 and "missing.yaml" in result.stderr
+
+
+# -- Accelerate's habits (issue 41, item 5) -------------------------------------------------------
+
+
+@pytest.fixture
+def homes(tmp_path, monkeypatch):
+    """TORCHRIG_CONFIG_HOME and HF_HOME in tmp_path (both empty), for in-process calls."""
+    for name in [n for n in os.environ if n.startswith(("TORCHRIG_", "XDG_CACHE_HOME"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCHRIG_CONFIG_HOME", str(tmp_path / "torchrig-home"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    return tmp_path / "torchrig-home", tmp_path / "hf-home" / "accelerate"
+
+
+def _write_accelerate_default(directory):
+    directory.mkdir(parents=True)
+    path = directory / "default_config.yaml"
+    path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nmixed_precision: bf16\n"
+                    "num_processes: 1\nuse_cpu: true\ndowncast_bf16: 'no'\n")
+    return path
+
+
+def test_accelerates_default_config_is_read_when_torchrig_has_none(homes, tmp_path, capsys):
+    from torchrig.config.resolve import accelerate_default_config_path, resolve_config
+    from torchrig.launch.cli import run_launch
+    from torchrig.testing.hosts import make_host
+
+    torchrig_home, accelerate_home = homes
+    path = _write_accelerate_default(accelerate_home)
+    assert accelerate_default_config_path() == path
+    assert accelerate_default_config_path({"XDG_CACHE_HOME": "/x"}) == __import__("pathlib").Path(
+        "/x/huggingface/accelerate/default_config.yaml")
+    host = make_host()
+    config = resolve_config(host, warn=False)
+    assert config["mixed_precision"] == "bf16"
+    assert str(config.source("mixed_precision")) == f"accelerate default config {path}:3:1"
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    assert run_launch(["--dry-run", str(script)]) == 0
+    captured = capsys.readouterr()
+    assert f"accelerate default config {path}:3" in captured.out
+    assert f"reading Accelerate's default config {path}" in captured.err  # said, with how to make torchrig's own
+    # torchrig's own default file wins: Accelerate's is then not read at all
+    torchrig_home.mkdir()
+    (torchrig_home / "default_config.yaml").write_text("mixed_precision: fp16\n")
+    assert resolve_config(host, warn=False)["mixed_precision"] == "fp16"
+
+
+def test_config_default_is_accelerates_spelling_and_refuses_to_overwrite(homes):
+    import io
+
+    from torchrig.cli.config import run_config
+    from torchrig.errors import ConfigError
+
+    torchrig_home, _ = homes
+    out = io.StringIO()
+    assert run_config(["default", "--mixed_precision", "bf16"], stdout=out) == 0
+    target = torchrig_home / "default_config.yaml"
+    assert yaml.safe_load(target.read_text())["mixed_precision"] == "bf16"
+    target.write_text("mixed_precision: fp16\n")
+    for argv in (["default"], ["--default"]):
+        with pytest.raises(ConfigError, match="already exists.*--force"):
+            run_config(argv, stdout=out)
+        assert target.read_text() == "mixed_precision: fp16\n"
+    assert run_config(["default", "--force"], stdout=out) == 0
+    assert yaml.safe_load(target.read_text())["mixed_precision"] == "no"
+
+
+def test_questionnaire_shows_yes_no_defaults_as_words(homes):
+    import io
+
+    from torchrig.cli.config import run_config
+
+    out = io.StringIO()
+    assert run_config([], stdin=io.StringIO("single\n\n\n\n"), stdout=out) == 0
+    assert "(yes/no) [False]" not in out.getvalue()
+    assert "Run on the CPU only [yes/NO]: " in out.getvalue()
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_in_the_questionnaire_exits_130_without_a_traceback(tmp_path, home):
+    import signal
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
+    proc = subprocess.Popen([sys.executable, "-m", "torchrig", "config"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**base, **home},
+                            start_new_session=True)
+    try:
+        assert proc.stdout.read(len("Strategy")) == "Strategy"  # the first question is asked: waiting for input
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+    assert not (tmp_path / "home" / "default_config.yaml").exists()

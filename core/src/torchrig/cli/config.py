@@ -1,7 +1,10 @@
 """``torchrig config``: write the machine's default file, show and validate configuration.
 
     torchrig config                      questionnaire -> the machine's default config file
-    torchrig config --default            write it without questions, from detected hardware
+    torchrig config default [--mixed_precision P] [--force]
+                                         write it without questions, from detected hardware
+                                         (Accelerate's spelling; `--default` too); an existing
+                                         file is kept unless --force
     torchrig config show [--config_file F] [flags]    every value with its source
     torchrig config validate F [flags]   exit 0 when valid, 2 with every problem otherwise
 """
@@ -25,9 +28,18 @@ from torchrig.plugin_host import PluginHost, PluginStatus
 
 def build_config_parser(schema: Schema) -> tuple[argparse.ArgumentParser, dict[str, Any], dict[str, Any]]:
     parser = argparse.ArgumentParser(prog="torchrig config", description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--default", action="store_true", help="write the default file from detected hardware, no questions")
+    parser.add_argument("--default", action="store_true", help="write the default file from detected hardware, no "
+                        "questions (the same as `torchrig config default`)")
     parser.add_argument("--config_file", help="where to write (default: the machine's default file)")
+    parser.add_argument("--force", action="store_true", help="with --default: overwrite an existing file")
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
+    default = sub.add_parser("default", help="write the default file from detected hardware, no questions "
+                             "(Accelerate's `accelerate config default`); an existing file is kept unless --force",
+                             allow_abbrev=False)
+    default.add_argument("--config_file", help="where to write (default: the machine's default file)")
+    default.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default="no",
+                         help="the mixed precision to write (default no)")
+    default.add_argument("--force", action="store_true", help="overwrite an existing file")
     flags = collect_flags(schema)
     show = sub.add_parser("show", help="print every configuration value with its source", allow_abbrev=False)
     show.add_argument("--config_file", help=f"the run's config file (default: ${CONFIG_FILE_ENV})")
@@ -61,7 +73,14 @@ def run_config(argv: Sequence[str], *, stdin: TextIO | None = None, stdout: Text
             print(f"  note: {note.key} ({note.source.detail}) has no effect: {note.reason}", file=stdout)
         return 0
     target = pathlib.Path(args.config_file) if args.config_file else default_config_path()
-    answers = detect_defaults(host) if args.default else _questionnaire(host, stdin, stdout)
+    if args.default or args.action == "default":
+        if target.exists() and not args.force:
+            raise ConfigError(f"{target} already exists and was left as it is; pass --force to overwrite it "
+                              "(`torchrig config default --force`), or --config_file to write another file")
+        answers = detect_defaults(host)
+        answers["mixed_precision"] = getattr(args, "mixed_precision", None) or answers["mixed_precision"]
+    else:
+        answers = _questionnaire(host, stdin, stdout)
     write_config_file(host, answers, target)
     print(f"configuration written to {target}", file=stdout)
     return 0
@@ -101,8 +120,9 @@ def _strategy_names(host: PluginHost) -> list[str]:
 
 def _ask(stdin: TextIO, stdout: TextIO, question: str, default: Any, convert: Callable[[str], Any]) -> Any:
     """Ask until the answer converts; an empty answer takes the default. EOF is an error."""
+    shown = ("YES/no" if default else "yes/NO") if isinstance(default, bool) else default
     for _ in range(5):
-        print(f"{question} [{default}]: ", end="", file=stdout, flush=True)
+        print(f"{question} [{shown}]: ", end="", file=stdout, flush=True)
         line = stdin.readline()
         if not line:
             raise ConfigError(f"no answer to {question!r} (end of input)")
@@ -154,7 +174,7 @@ def _questionnaire(host: PluginHost, stdin: TextIO, stdout: TextIO) -> dict[str,
             answers["main_process_ip"] = _ask(stdin, stdout, "IP address of machine 0", "127.0.0.1", str)
             answers["main_process_port"] = _ask(stdin, stdout, "Port on machine 0", 29500, int)
         answers["num_processes"] = _ask(stdin, stdout, "How many processes in total", 2, _positive_int)
-    answers["use_cpu"] = _ask(stdin, stdout, "Run on the CPU only (yes/no)", False, _yes_no)
+    answers["use_cpu"] = _ask(stdin, stdout, "Run on the CPU only", False, _yes_no)
     answers["mixed_precision"] = _ask(stdin, stdout, f"Mixed precision ({'/'.join(precisions)})", "no", _choice(precisions))
     answers["gradient_accumulation_steps"] = _ask(stdin, stdout, "Gradient accumulation steps", 1, _positive_int)
     return answers

@@ -28,6 +28,7 @@ from torchrig.cli.commands import add_commands, discover_commands  # noqa: E402
 from torchrig.errors import TorchrigError  # noqa: E402
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 #: Names a contributed command (``torchrig.commands`` entry point) cannot take.
 BUILTIN_COMMANDS = ("plugins", "config", "launch", "test", "estimate-memory", "env", "new-plugin")
 
@@ -152,6 +153,9 @@ def _guarded(command: str, run: Callable[[], int]) -> int:
     except (TorchrigError, ValueError) as exc:
         print(f"torchrig {command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C (in `torchrig config`'s questions): no traceback, nothing written
+        print(f"\ntorchrig {command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

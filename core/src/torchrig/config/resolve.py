@@ -62,6 +62,29 @@ def default_config_path(environ: Mapping[str, str] | None = None) -> pathlib.Pat
     return pathlib.Path(home) / DEFAULT_FILE_NAME
 
 
+#: How a value read from Accelerate's default file is attributed (``torchrig config show``, ``--dry-run``).
+ACCELERATE_DEFAULT_LABEL = "accelerate default config"
+
+
+def accelerate_default_config_path(environ: Mapping[str, str] | None = None) -> pathlib.Path:
+    """Accelerate's default config file, by Accelerate 1.15's rule: ``$HF_HOME/accelerate/default_config.yaml``,
+    else ``$XDG_CACHE_HOME/huggingface/...``, else ``~/.cache/huggingface/accelerate/default_config.yaml``."""
+    environ = os.environ if environ is None else environ
+    hf_home = environ.get("HF_HOME") or os.path.join(environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return pathlib.Path(os.path.expanduser(hf_home)) / "accelerate" / DEFAULT_FILE_NAME
+
+
+def machine_default_file(environ: Mapping[str, str] | None = None) -> tuple[pathlib.Path, str | None] | None:
+    """The machine's default file in use and how its values are attributed: torchrig's own
+    (:func:`default_config_path`); when there is none, Accelerate's (``accelerate config`` wrote it:
+    a user coming from Accelerate keeps their machine's settings), labelled as such; else None."""
+    own = default_config_path(environ)
+    if own.is_file():
+        return own, None
+    accelerate = accelerate_default_config_path(environ)
+    return (accelerate, ACCELERATE_DEFAULT_LABEL) if accelerate.is_file() else None
+
+
 def env_name(key: str) -> str:
     """``fsdp_config.sharding_strategy`` -> ``TORCHRIG_FSDP_CONFIG__SHARDING_STRATEGY``."""
     return ENV_PREFIX + key.upper().replace(".", "__")
@@ -154,17 +177,17 @@ def _where(source: Source) -> str | None:
     return source.detail if source.layer in (Layer.DEFAULT_FILE, Layer.CONFIG_FILE) else str(source)
 
 
-def _file_entries(reader: _Reader, path: str | os.PathLike, layer: Layer) -> dict[str, Entry]:
+def _file_entries(reader: _Reader, path: str | os.PathLike, layer: Layer, label: str | None = None) -> dict[str, Entry]:
     entries: dict[str, Entry] = {}
     for document in resolve_extends(path):
-        entries.update(_document_entries(reader, document, layer))
+        entries.update(_document_entries(reader, document, layer, label))
     return entries
 
 
-def _document_entries(reader: _Reader, document: Document, layer: Layer) -> dict[str, Entry]:
+def _document_entries(reader: _Reader, document: Document, layer: Layer, label: str | None = None) -> dict[str, Entry]:
     return reader.read(
         document.data,
-        source_of=lambda path, key: Source(layer, document.where(path)),
+        source_of=lambda path, key: Source(layer, document.where(path), label),
         raw_of=lambda path: document.raw_scalars.get(path),
     )
 
@@ -245,7 +268,8 @@ def resolve_config(
     ``arguments``: the script's ``Accelerator(...)`` arguments (config keys, section keys or
     options objects). ``config_file``: the run's file (else ``TORCHRIG_CONFIG_FILE``).
     ``flags``: ``{key: (value, "--flag")}`` (else ``TORCHRIG_LAUNCH_OVERRIDES``). ``default_file``:
-    ``True`` for the machine's default file, a path, or ``False``/``None`` for none.
+    ``True`` for the machine's default file (torchrig's, else Accelerate's: :func:`machine_default_file`),
+    a path, or ``False``/``None`` for none.
     ``world_size``: the detected number of processes (picks the default strategy).
     """
     environ = dict(os.environ if environ is None else environ)
@@ -255,10 +279,12 @@ def resolve_config(
     reader = _Reader(schema, problems, notes)
 
     layers: list[dict[str, Entry]] = []
+    default_label = None
     if default_file is True:
-        path = default_config_path(environ)
-        default_file = path if path.is_file() else None
-    layers.append(_guarded(problems, lambda: _file_entries(reader, default_file, Layer.DEFAULT_FILE)) if default_file else {})
+        found = machine_default_file(environ)
+        default_file, default_label = found if found else (None, None)
+    layers.append(_guarded(problems, lambda: _file_entries(reader, default_file, Layer.DEFAULT_FILE, default_label))
+                  if default_file else {})
     layers.append(_argument_entries(reader, arguments or {}))
     run_file = config_file or environ.get(CONFIG_FILE_ENV)
     layers.append(_guarded(problems, lambda: _file_entries(reader, run_file, Layer.CONFIG_FILE)) if run_file else {})
@@ -566,6 +592,7 @@ def _dedupe(problems: list[Problem]) -> list[Problem]:
 
 
 __all__ = [
+    "ACCELERATE_DEFAULT_LABEL",
     "CONFIG_FILE_ENV",
     "CONFIG_HOME_ENV",
     "LAUNCH_OVERRIDES_ENV",
@@ -576,10 +603,12 @@ __all__ = [
     "ResolvedConfig",
     "Schema",
     "Source",
+    "accelerate_default_config_path",
     "default_config_path",
     "encode_launch_overrides",
     "env_name",
     "launch_overrides",
+    "machine_default_file",
     "resolve_config",
     "selected_plugin_keys",
 ]

@@ -36,9 +36,11 @@ class Source:
 
     layer: Layer
     detail: str = ""
+    #: Said instead of the layer's label (Accelerate's default file read as the machine's default file).
+    label: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.layer.label} {self.detail}".strip()
+        return f"{self.label or self.layer.label} {self.detail}".strip()
 
 
 @attrs.frozen

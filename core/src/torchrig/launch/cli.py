@@ -40,7 +40,9 @@ from torchrig.config.resolve import (
     Layer,
     ResolvedConfig,
     Schema,
+    default_config_path,
     encode_launch_overrides,
+    machine_default_file,
     resolve_config,
 )
 from torchrig.errors import ConfigError, TorchrigError
@@ -236,6 +238,7 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None, host: Plugi
     flags = flag_values(args, by_dest)
     accelerate = apply_accelerate_flags(args, accelerate_entries(parser), flags, Schema(host))
     config = resolve_config(host, config_file=args.config_file, flags=flags, default_file=True, warn=False)
+    _say_which_default_file()
     host.disable(config.get("disable_plugins") or [])
     layout = work_out_layout(config)
     if layout.strategy_world and layout.world_size > 1:  # the default strategy depends on the process count
@@ -279,6 +282,15 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None, host: Plugi
         print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     _line_buffered()
     return run_plan(host, plan)
+
+
+def _say_which_default_file() -> None:
+    """Reading Accelerate's default file (torchrig has none) is said once per launch, with how to keep it."""
+    found = machine_default_file()
+    if found is not None and found[1] is not None:
+        print(f"{PROG}: note: reading Accelerate's default config {found[0]} as this machine's default file "
+              f"(torchrig has none at {default_config_path()}; copy it there to keep it, or write one with "
+              "`torchrig config`)", file=sys.stderr, flush=True)
 
 
 def _apply_launcher_settings(accelerate: AppliedFlags, layout: Layout, env: dict[str, str]) -> None:
