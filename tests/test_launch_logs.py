@@ -131,3 +131,40 @@ def test_on_a_terminal_a_rank_that_is_not_live_writes_a_bar_once_in_its_final_st
     assert stream.feed(b"\rbar 1\rbar 2") == ""
     assert stream.feed(b"\rbar 3\n") == "[rank1]: bar 3\n"
     assert not stream.line_open
+
+
+def _launch_here(tmp_path: Path, config: Path, *command: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torchrig", "launch", "--cpu", "--num_processes", "1",
+                           "--config_file", str(config), "--no_python", *command], cwd=tmp_path, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _run_folders(tmp_path: Path) -> list[str]:
+    return sorted(path.name for path in (tmp_path / "torchrig_logs").iterdir())
+
+
+@pytest.mark.multiprocess
+def test_the_log_root_keeps_the_last_log_retention_runs(tmp_path):
+    keep_two = tmp_path / "keep-two.yaml"
+    keep_two.write_text("launch:\n  log_retention: 2\n")
+    (tmp_path / "torchrig_logs").mkdir()
+    (tmp_path / "torchrig_logs" / "notes.txt").write_text("mine")  # not a run folder: never touched
+    names = []
+    for _ in range(3):
+        result = _launch_here(tmp_path, keep_two, "true")
+        assert result.returncode == 0, result.stderr
+        # said once, in the start line: where, and how long it stays
+        assert result.stderr.count("status and logs in") == 1, result.stderr
+        assert "(the last 2 runs' folders are kept: launch.log_retention)" in result.stderr
+        names.append(next(n for n in _run_folders(tmp_path) if n not in names and n != "notes.txt"))
+        time.sleep(1.1)  # run ids start with the second they were made: keep the order unambiguous
+    assert _run_folders(tmp_path) == sorted([*names[1:], "notes.txt"])
+
+    keep_none = tmp_path / "keep-none.yaml"
+    keep_none.write_text("launch:\n  log_retention: 0\n")
+    failed = _launch_here(tmp_path, keep_none, "false")
+    assert failed.returncode == 1 and "deleted if the run succeeds" in failed.stderr
+    left = [n for n in _run_folders(tmp_path) if n != "notes.txt"]
+    assert len(left) == 1 and left[0] not in names  # the failed run's folder stays (its summary points there)
+    assert _launch_here(tmp_path, keep_none, "true").returncode == 0
+    assert _run_folders(tmp_path) == ["notes.txt"]

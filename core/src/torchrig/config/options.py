@@ -205,6 +205,16 @@ class PreemptionConfig(KwargsHandler):
 
 
 @attrs.frozen(kw_only=True)
+class LaunchOptions:
+    """torchrig: what ``torchrig launch`` keeps of its runs (docs/launch.md)."""
+
+    log_retention: int = option(20, help="run folders kept in ./torchrig_logs (the default --log_dir): when a launch "
+                                "ends, older ones beyond the newest N are deleted; 0: a run that succeeded keeps none "
+                                "(a failed run's folder stays until the next launch). A --log_dir is never pruned",
+                                validator=at_least(0))
+
+
+@attrs.frozen(kw_only=True)
 class ThroughputMonitorConfig(KwargsHandler):
     """torchrig: samples/s, tokens/s, step time, MFU and peak memory, measured over windows of optimizer
     steps on the main process and logged to the trackers (docs/trackers.md, "Throughput and MFU")."""
@@ -419,6 +429,7 @@ CORE_SECTIONS: tuple[ConfigSection, ...] = (
     ConfigSection("init_process_group_kwargs", InitProcessGroupKwargs, help="InitProcessGroupKwargs"),
     ConfigSection("profile_kwargs", ProfileKwargs, help="ProfileKwargs (accelerator.profile())"),
     ConfigSection("preemption", PreemptionConfig, help="PreemptionConfig (torchrig: checkpoint and stop on a signal)"),
+    ConfigSection("launch", LaunchOptions, help="LaunchOptions (torchrig: the log folders torchrig launch keeps)"),
     ConfigSection("throughput_monitor", ThroughputMonitorConfig, help="ThroughputMonitorConfig (torchrig: "
                   "samples/s, tokens/s, MFU, peak memory to the trackers)"),
     ConfigSection("parallelism_config", ParallelismConfig, help="ParallelismConfig (the device mesh: data, tensor, "
@@ -438,6 +449,7 @@ __all__ = [
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",
+    "LaunchOptions",
     "PARALLELISM_AXES",
     "PP_SCHEDULES",
     "ParallelismConfig",

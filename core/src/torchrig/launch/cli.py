@@ -55,13 +55,13 @@ from torchrig.launch.accelerate_flags import (
     normalize_spelling,
 )
 from torchrig.launch.defaults import launcher_host
+from torchrig.launch.log_folders import DEFAULT_LOG_ROOT, prune_run_folders, where_logs_go
 from torchrig.launch.worker import KILL_GRACE_S, STOP_GRACE_S
 from torchrig.plugin_host import PluginHost
 from torchrig.types import LaunchPlan
 
 PROG = "torchrig launch"
 EXIT_USAGE = 2
-DEFAULT_LOG_ROOT = "torchrig_logs"
 DEFAULT_MULTI_NODE_PORT = 29500
 DESCRIPTION = """\
 Start a training script on N processes of this machine (and of others, with --num_machines):
@@ -277,11 +277,15 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None, host: Plugi
     warnings += preflight(layout, args.preflight_timeout)
     plan = attrs.evolve(plan, warnings=tuple(warnings))
     os.makedirs(log_dir, exist_ok=True)
-    print(f"{PROG}: {layout.describe()}; status and logs in {log_dir}", file=sys.stderr, flush=True)
+    retention = None if args.log_dir else config.get("launch.log_retention")  # a --log_dir is never pruned
+    print(f"{PROG}: {layout.describe()}; {where_logs_go(log_dir, retention)}", file=sys.stderr, flush=True)
     for warning in warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     _line_buffered()
-    return run_plan(host, plan)
+    code = run_plan(host, plan)
+    if retention is not None:
+        prune_run_folders(os.path.dirname(log_dir), retention, current=log_dir, current_succeeded=code == 0)
+    return code
 
 
 def _say_which_default_file() -> None:
