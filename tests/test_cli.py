@@ -155,6 +155,54 @@ def test_env_reports_versions_and_devices():
     assert text.returncode == 0 and "torch:" in text.stdout
 
 
+ENV_CHECK = """
+import contextlib, io, json, sys
+from torchrig.cli.main import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    code = main(["env", "--json"])
+print(json.dumps({"code": code, "torch_imported": "torch" in sys.modules, "info": json.loads(out.getvalue())}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_env_shows_what_accelerate_env_shows_without_importing_torch(tmp_path):
+    """Issue 41: `torchrig env` lacked the default config, RAM and library versions, and took 12 s (it
+    imported torch and its distributed backends to print versions)."""
+    import importlib.metadata as md
+
+    accelerate_file = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    accelerate_file.parent.mkdir(parents=True)
+    accelerate_file.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    torchrig_file = tmp_path / "torchrig" / "default_config.yaml"
+    torchrig_file.parent.mkdir()
+    torchrig_file.write_text("mixed_precision: bf16\n")
+    env = {"HF_HOME": str(tmp_path / "hf"), "TORCHRIG_CONFIG_HOME": str(tmp_path / "torchrig")}
+    result = run_cli(code=ENV_CHECK, env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["code"] == 0 and report["torch_imported"] is False
+    info = report["info"]
+    assert info["torch"] == md.version("torch")
+    for name in ("numpy", "torchao", "tensorboard", "wandb", "mlflow", "transformers", "deepspeed", "accelerate"):
+        try:
+            expected = md.version(name)
+        except md.PackageNotFoundError:
+            expected = None
+        assert info["libraries"][name] == expected, name
+    with open("/proc/meminfo") as meminfo:
+        total_kb = int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1])
+    assert info["ram_gb"] == round(total_kb / 1024**2, 2)
+    assert info["default_config"] == {"path": str(torchrig_file), "contents": {"mixed_precision": "bf16"}}
+    assert info["accelerate_default_config"] == {"path": str(accelerate_file),
+                                                 "contents": {"distributed_type": "MULTI_GPU", "num_processes": 2}}
+    assert info["devices"]["cpu"] == "available"
+    assert info["torchrig_location"]
+    text = run_cli("env", "--config_file", str(accelerate_file), env=env)
+    assert f"default_config: {torchrig_file}" in text.stdout and "  mixed_precision: bf16" in text.stdout
+    assert f"config_file: {accelerate_file}" in text.stdout and "  distributed_type: MULTI_GPU" in text.stdout
+
+
 @pytest.mark.multiprocess
 def test_console_script_is_installed():
     import shutil

@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     env = sub.add_parser("env", help="versions, devices and settings to paste into a bug report")
     env.add_argument("--json", action="store_true", help="machine-readable output")
+    env.add_argument("--config_file", help="a run's config file to show as well (the machine's default files always are)")
     env.set_defaults(handler=_run_env)
 
     new = sub.add_parser("new-plugin", help="render a new plugin distribution (package, entry points, manifest, "
@@ -90,7 +91,7 @@ def _run_plugins(args: argparse.Namespace) -> int:
 def _run_env(args: argparse.Namespace) -> int:
     from torchrig.cli.env import run_env
 
-    return run_env(as_json=args.json)
+    return run_env(as_json=args.json, config_file=args.config_file)
 
 
 def _run_new_plugin(args: argparse.Namespace) -> int:
