@@ -133,6 +133,12 @@ def test_applied_flags_reach_the_configuration_and_the_ranks_environment(script,
     assert "--rdzv_conf has no effect" in captured.err
     with pytest.raises(ConfigError, match="--rdzv_conf"):
         run_launch(["--rdzv_conf", "join_timeout", "--dry-run", script])
+    # Accelerate's habit `--multi_gpu --use_fsdp` is FSDP: --multi_gpu gives way to a flag naming the strategy
+    for argv in (["--multi_gpu", "--use_fsdp"], ["--use_fsdp", "--multi_gpu"], ["--multi_gpu", "--strategy", "ddp"]):
+        capsys.readouterr()
+        assert run_launch([*argv, "--num_processes", "2", "--dry-run", script]) == 0
+        strategy_line = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["strategy"])
+        assert strategy_line.split()[1] == ("ddp" if "ddp" in argv else "fsdp"), argv
 
 
 @pytest.mark.multiprocess

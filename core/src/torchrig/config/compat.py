@@ -139,6 +139,9 @@ class AccelerateFlag:
     strategy: str | None = None
     #: May be given several times (Accelerate's ``append`` flags).
     repeated: bool = False
+    #: ``"config"`` flags: only a default for ``target`` — another flag that sets it wins (Accelerate's
+    #: ``--multi_gpu --use_fsdp`` is FSDP on several GPUs, not a conflict).
+    gives_way: bool = False
 
 
 def _value_flags(status: str, names: str, target: str | None = None, *, prefix: str = "",
@@ -158,8 +161,9 @@ _SEQUENCE_PARALLEL = ("Accelerate's sequence parallelism (DeepSpeed ALST/Ulysses
 ACCELERATE_LAUNCH_FLAGS: tuple[AccelerateFlag, ...] = (
     AccelerateFlag("--quiet", "no_effect", note="torchrig's failure summary already shows only the failing rank's "
                    "traceback, never the launcher's own stack"),
-    AccelerateFlag("--multi_gpu", "config", "strategy", const="MULTI_GPU",
-                   note="selects the data-parallel strategy (distributed_type MULTI_GPU), on the detected device"),
+    AccelerateFlag("--multi_gpu", "config", "strategy", const="MULTI_GPU", gives_way=True,
+                   note="selects the data-parallel strategy (distributed_type MULTI_GPU), on the detected device, "
+                        "unless another flag names the strategy (--use_fsdp, --use_deepspeed, --strategy)"),
     AccelerateFlag("--tpu", "rejected", note=_TPU),
     AccelerateFlag("--num_cpu_threads_per_process", "applied", takes_value=True,
                    note="OMP_NUM_THREADS of every rank (it overrides the launcher's environment, as in Accelerate)"),
@@ -221,9 +225,8 @@ ACCELERATE_LAUNCH_FLAGS: tuple[AccelerateFlag, ...] = (
     *_value_flags("rejected", "aws_access_key_id aws_secret_access_key", note=_SAGEMAKER),
     AccelerateFlag("--debug", "no_effect", note=BY_KEY["debug"].note),
     AccelerateFlag("--mpirun_hostfile", "key", "mpirun_config", takes_value=True),
-    *_value_flags("config", "parallelism_config_dp_replicate_size parallelism_config_dp_shard_size "
-                  "parallelism_config_tp_size parallelism_config_cp_size parallelism_config_cp_comm_strategy",
-                  "parallelism_config.{name}"),
+    *_value_flags("config", "dp_replicate_size dp_shard_size tp_size cp_size cp_comm_strategy",
+                  "parallelism_config.{name}", prefix="parallelism_config_"),
     AccelerateFlag("--parallelism_config_cp_backend", "rejected", takes_value=True,
                    note="context parallelism runs on torch's own implementation (backend 'torch' only)",
                    accepts=lambda value: str(value).lower() == "torch"),

@@ -38,15 +38,18 @@ def add_accelerate_flags(parser: argparse.ArgumentParser) -> dict[str, compat.Ac
     """Add each Accelerate flag ``parser`` does not define yet (an installed plugin's own flag
     wins); returns ``dest -> entry`` for :func:`apply_accelerate_flags`."""
     known = {option for action in parser._actions for option in action.option_strings}
-    group = parser.add_argument_group("Accelerate's launch flags (accepted as `accelerate launch` accepts them; "
-                                      "docs/accelerate.md)")
+    group = parser.add_argument_group(
+        "Accelerate's launch flags", "accepted as `accelerate launch` accepts them, with either spelling "
+        "(docs/accelerate.md); its TPU, Megatron-LM, SageMaker and DeepSpeed-launcher flags are refused with the "
+        "reason and not listed here")
     by_dest: dict[str, compat.AccelerateFlag] = {}
     for entry in compat.ACCELERATE_LAUNCH_FLAGS:
         if entry.flag in known:
             continue
         dest = _DEST_PREFIX + entry.flag[2:]
         by_dest[dest] = entry
-        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": _help(entry)}
+        shown = _help(entry) if not _refused_when_given(entry) else argparse.SUPPRESS
+        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": shown}
         if entry.repeated:
             kwargs.update(action="append", metavar="VALUE")
         elif entry.takes_value:
@@ -65,12 +68,21 @@ def accelerate_entries(parser: argparse.ArgumentParser) -> dict[str, compat.Acce
             if action.dest.startswith(_DEST_PREFIX)}
 
 
+def _refused_when_given(entry: compat.AccelerateFlag) -> bool:
+    """A flag that is refused whatever its value (a TPU, Megatron-LM flag): kept out of ``--help``."""
+    if entry.status == "rejected":
+        return True
+    if entry.status == "key":
+        key = compat.BY_KEY[str(entry.target)]
+        return not (key.status == "no_effect" and key.accepts(entry.const if not entry.takes_value else "given"))
+    return False
+
+
 def _help(entry: compat.AccelerateFlag) -> str:
     if entry.status == "config":
         return f"sets {entry.target}" + (f" = {entry.const}" if not entry.takes_value else "")
     if entry.status == "key":
-        key = compat.BY_KEY[str(entry.target)]
-        return f"Accelerate's {key.key}: {key.note}"
+        return "no effect: " + compat.BY_KEY[str(entry.target)].note
     prefix = {"no_effect": "no effect: ", "rejected": "refused: ", "applied": ""}[entry.status]
     return prefix + entry.note
 
@@ -81,7 +93,8 @@ def apply_accelerate_flags(namespace: argparse.Namespace, by_dest: Mapping[str, 
     launcher settings. Raises :class:`ConfigError` listing every flag refused, with the reason."""
     applied = AppliedFlags()
     problems: list[str] = []
-    for dest, entry in by_dest.items():
+    # Flags that only give a default for their key come last, so that any other flag setting it wins.
+    for dest, entry in sorted(by_dest.items(), key=lambda item: item[1].gives_way):
         if not hasattr(namespace, dest):
             continue
         value = getattr(namespace, dest)
@@ -122,6 +135,8 @@ def _set_config(entry: compat.AccelerateFlag, value: Any, flags: MutableMapping[
     if section is not None and target.partition(".")[2] in schema.key_index(section):
         target = f"{section}.{schema.key_index(section)[target.partition('.')[2]]}"
     given = value if entry.takes_value else entry.const
+    if entry.gives_way and target in flags:
+        return None
     if target in flags and flags[target][0] != given:
         return f"{flags[target][1]} and {entry.flag} both set {target} ({flags[target][0]!r} vs {given!r}); give one"
     flags[target] = (given, entry.flag)
