@@ -255,6 +255,24 @@ def test_changed_configuration_is_refused_with_a_diff_unless_allowed(tmp_path):
     other.load_state(tmp_path / "c", allow_config_change=True)
 
 
+
+def test_a_configuration_change_is_allowed_from_the_environment_for_scripts_that_cannot_pass_it(tmp_path,
+                                                                                                 monkeypatch):
+    accelerator, saved_model, *_ = make_run()
+    accelerator.save_state(tmp_path / "c")
+    monkeypatch.setenv("TORCHRIG_PROJECT_CONFIG__ALLOW_CONFIG_CHANGE", "true")
+    other = Accelerator(cpu=True, gradient_accumulation_steps=4)  # refused without the variable (the test above)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    data = torch.utils.data.TensorDataset(torch.zeros(24, 4), torch.zeros(24, dtype=torch.long))
+    model, *_ = other.prepare(model, optimizer, scheduler, torch.utils.data.DataLoader(data, batch_size=8))
+    other.register_for_checkpointing(Counter())
+    other.load_state(tmp_path / "c")
+    assert same(params(model), params(saved_model))
+
+
 def test_a_key_newer_than_the_checkpoint_left_at_its_default_is_no_configuration_change(tmp_path):
     # A release that adds a fingerprinted key must still resume the checkpoints written before it.
     accelerator, *_ = make_run()
@@ -446,6 +464,14 @@ def test_resume_at_another_world_size_is_refused_unless_allowed(gloo_pool, tmp_p
     accelerator, model, optimizer, scheduler, loader, _ = make_run(tmp_path, automatic_checkpoint_naming=True)
     with pytest.raises(CheckpointError, match="world size: checkpoint 2, now 1 .*allow_world_size_change=True"):
         accelerator.load_state()
+    # A script that cannot pass the argument (transformers' no_trainer scripts) is set from the
+    # configuration; an explicit argument still wins over it.
+    configured, configured_model, *_ = make_run(tmp_path, automatic_checkpoint_naming=True,
+                                                allow_world_size_change=True)
+    with pytest.raises(CheckpointError, match="world size: checkpoint 2, now 1"):
+        configured.load_state(allow_world_size_change=False)
+    loaded_from = os.path.basename(configured.load_state())
+    assert same(params(configured_model), saved[loaded_from])
     directory = accelerator.load_state(allow_world_size_change=True)
     assert same(params(model), saved[os.path.basename(directory)])
     # The position is kept in global samples: 2 steps x 2 ranks x 4 samples = 16 of 24 seen;

@@ -73,12 +73,14 @@ class CheckpointCalls:
         return self._checkpoints.save(output_dir, safe_serialization, overwrite=overwrite, async_save=async_save,
                                       hashes=hashes)
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, *, allow_config_change: bool = False,
-                   allow_world_size_change: bool = False, verify_hashes: bool | None = None, allow_pickle: bool = False,
-                   skip_damaged: bool = False, **_accelerate: Any) -> str:
+    def load_state(self, input_dir: str | os.PathLike | None = None, *, allow_config_change: bool | None = None,
+                   allow_world_size_change: bool | None = None, verify_hashes: bool | None = None,
+                   allow_pickle: bool = False, skip_damaged: bool = False, **_accelerate: Any) -> str:
         """Load a committed checkpoint — by default the project's newest — into everything
         prepared and registered; returns its directory. Never starts fresh silently: no
-        checkpoint, a damaged one, or a changed configuration or world size is an error.
+        checkpoint, a damaged one, or a changed configuration or world size is an error, unless
+        ``allow_config_change``/``allow_world_size_change`` (default: ``project_config``'s keys of
+        the same names, off) say to load it anyway.
         ``skip_damaged`` resumes from the newest intact checkpoint past damaged newer ones;
         ``verify_hashes`` (default: whenever the checkpoint recorded hashes) checks every file's
         sha256 before anything is loaded; ``allow_pickle`` unpickles files the safe loader refuses —

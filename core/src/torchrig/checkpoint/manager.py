@@ -449,12 +449,19 @@ class CheckpointManager:
 
     # -- load -----------------------------------------------------------------------------
 
-    def load(self, input_dir: str | os.PathLike[str] | None = None, *, allow_config_change: bool = False,
-             allow_world_size_change: bool = False, verify_hashes: bool | None = None, allow_pickle: bool = False,
-             skip_damaged: bool = False) -> str:
+    def load(self, input_dir: str | os.PathLike[str] | None = None, *, allow_config_change: bool | None = None,
+             allow_world_size_change: bool | None = None, verify_hashes: bool | None = None,
+             allow_pickle: bool = False, skip_damaged: bool = False) -> str:
         """Load a committed checkpoint (default: the project's latest); returns its directory
-        (see :mod:`torchrig.checkpoint.loading`)."""
+        (see :mod:`torchrig.checkpoint.loading`). ``allow_*=None``: the project configuration's
+        value, so a script that cannot pass them (transformers' no_trainer scripts) is set from
+        its config file, flags or environment."""
         self.wait()
+        project = self._project
+        if allow_config_change is None:
+            allow_config_change = project.allow_config_change
+        if allow_world_size_change is None:
+            allow_world_size_change = project.allow_world_size_change
         loaded = loading.load(self, input_dir, allow_config_change=allow_config_change,
                               allow_world_size_change=allow_world_size_change, verify_hashes=verify_hashes,
                               allow_pickle=allow_pickle, skip_damaged=skip_damaged)

@@ -126,6 +126,12 @@ class ProjectConfiguration:
                               "the copy to CPU memory")
     checkpoint_hashes: bool = option(False, help="torchrig: sha256 of every checkpoint file in the manifest, "
                                      "computed while writing")
+    allow_world_size_change: bool = option(False, help="torchrig: load_state() converts a checkpoint saved by "
+                                           "another number of processes (as Accelerate does) instead of refusing "
+                                           "it; an explicit load_state(allow_world_size_change=...) wins")
+    allow_config_change: bool = option(False, help="torchrig: load_state() loads a checkpoint saved under another "
+                                       "configuration (precision, accumulation...) instead of refusing it, as "
+                                       "Accelerate does; an explicit load_state(allow_config_change=...) wins")
 
 
 @attrs.frozen(kw_only=True)
