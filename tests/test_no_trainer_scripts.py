@@ -84,7 +84,8 @@ class Run:
         return {int(epoch): json.loads(metrics) for _, epoch, metrics in found}
 
 
-def run_script(script: Path, processes: int, args: list[str], workdir: Path, guard, launch: list[str] = ()) -> Run:
+def run_script(script: Path, processes: int, args: list[str], workdir: Path, guard, launch: list[str] = (),
+               env: dict[str, str] | None = None) -> Run:
     """Copy ``script`` renamed into ``workdir`` and run it there: ``python script.py`` on one process, otherwise the
     ``accelerate launch --cpu --num_processes N`` command renamed like the script (``torchrig launch`` ->
     ``python -m torchrig launch``, this interpreter). The launcher and its ranks are tracked by the guard."""
@@ -99,7 +100,7 @@ def run_script(script: Path, processes: int, args: list[str], workdir: Path, gua
         renamed = shlex.split(rename(accelerate_command))
         assert renamed[:2] == ["torchrig", "launch"], renamed
         command = [sys.executable, "-m", "torchrig", "launch", "--log_dir", str(log_dir), *renamed[2:]]
-    proc = subprocess.Popen(command, cwd=workdir, env=_environment(workdir), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command, cwd=workdir, env={**_environment(workdir), **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     guard.track(proc)
     try:
@@ -169,6 +170,18 @@ def test_glue_epoch_checkpoints_resume_and_every_validation_row_counted_once(inp
     assert resumed.epochs() == {1: printed[1]}, (resumed.epochs(), printed)
     assert ((tmp_path / "resumed" / "model.safetensors").read_bytes()
             == (tmp_path / "full" / "model.safetensors").read_bytes())
+
+    # Accelerate resumes a 2-process checkpoint on one process; torchrig refuses it unless the configuration
+    # allows it, which such a script (it cannot pass load_state(allow_world_size_change=True)) takes from the
+    # environment.
+    refused = run_script(SCRIPT, 1, task_args("glue", inputs, *common, "--output_dir", "one",
+                                              "--resume_from_checkpoint", str(tmp_path / "full" / "epoch_0")),
+                         tmp_path, process_guard)
+    assert refused.returncode != 0 and "allow_world_size_change" in refused.stderr, refused.stderr[-3000:]
+    one = run_script(SCRIPT, 1, task_args("glue", inputs, *common, "--output_dir", "one",
+                                          "--resume_from_checkpoint", str(tmp_path / "full" / "epoch_0")),
+                     tmp_path, process_guard, env={"TORCHRIG_PROJECT_CONFIG__ALLOW_WORLD_SIZE_CHANGE": "1"}).check()
+    assert sorted(one.epochs()) == [1] and one.epochs()[1]["samples"] == 13, one.epochs()
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
