@@ -57,7 +57,10 @@ def run_test(argv: Sequence[str]) -> int:
         if code == 0 or not os.listdir(log_dir):
             shutil.rmtree(log_dir, ignore_errors=True)
     if code != 0:
-        print(f"{PROG}: a check failed; the per-rank logs are kept in {log_dir}", file=sys.stderr)
+        # 130/143: stopped by SIGINT/SIGTERM (the launcher's summary above says where each rank was, e.g. a
+        # lock it waited on), which is not a failed check
+        what = "stopped before its checks finished (see the summary above)" if code in (130, 143) else "a check failed"
+        print(f"{PROG}: {what}; the per-rank logs are kept in {log_dir}", file=sys.stderr)
     return code
 
 
