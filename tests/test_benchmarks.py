@@ -71,6 +71,25 @@ def test_mesh_benchmark_runs_both_cpu_rows_and_skips_the_gpu_row_cleanly():
     assert smoke.returncode == 0 and "B15 CPU smoke run finished" in smoke.stdout, smoke.stdout[-3000:] + smoke.stderr[-3000:]
 
 
+@pytest.mark.multiprocess
+def test_hf_llama_benchmark_runs_its_code_path_on_a_tiny_llama_and_skips_the_gpu_row_cleanly():
+    """B20's code path (a transformers Llama from its own plan through torchrig, and the hand-written
+    parallelize_module + fully_shard, over prepared and plain loaders) on 4 CPU ranks, FSDP2×TP (the TP row's path
+    plus fully_shard): one trial, one round, a tiny model — not a measurement."""
+    smoke = subprocess.run([sys.executable, str(BENCH / "bench_hf_llama.py"), "--smoke", "--only", "B20-FSDP2xTP,B20-GPU",
+                            "--trials", "1", "--rounds", "1"], capture_output=True, text=True, timeout=600, env=ENV)
+    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    assert "B20 FSDP2×TP smoke: ratio" in smoke.stdout and "B20 smoke run finished" in smoke.stdout, smoke.stdout
+    assert "rank 3: hand-written" in smoke.stdout  # all four ranks trained both sides
+    assert "B20 GPU skipped: run it with --device cuda" in smoke.stdout  # the GPU row is a run of its own
+    sys.path.insert(0, str(BENCH))
+    try:
+        from run_all import BENCHMARKS
+    finally:
+        sys.path.remove(str(BENCH))
+    assert (("B20", "B20 FSDP2×TP", "B20 GPU"), "bench_hf_llama.py") in [(ids, script) for ids, script, *_ in BENCHMARKS]
+
+
 def test_the_table_orders_rows_by_number_with_sub_rows_after_their_row():
     sys.path.insert(0, str(BENCH))
     try:
