@@ -41,7 +41,7 @@ from torchrig.checkpoint.trust import check_loadable, load_pickled
 from torchrig.run import RunContext
 from torchrig.types import PreparedModel
 
-from torchrig_fsdp import safe_dcp
+from torchrig_fsdp import safe_dcp, strided
 
 SHARDED = "SHARDED_STATE_DICT"
 FULL = "FULL_STATE_DICT"
@@ -134,7 +134,7 @@ def _dcp_save(state: dict[str, Any], directory: str, name: str, what: str) -> li
     os.makedirs(path, exist_ok=True)
     writer = _recording_writer_class()(path)
     try:
-        dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+        dcp.save(strided.for_saving(state), storage_writer=writer, no_dist=not _distributed())
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
@@ -202,14 +202,12 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
                            if os.path.isfile(os.path.join(directory, name))), None)
         is_plain = not os.path.isdir(sharded_dir) and not os.path.isfile(full_file) and plain_file is not None
         if os.path.isdir(sharded_dir):
-            state = {"model": get_model_state_dict(model)}
-            _dcp_load(state, sharded_dir, f"model {index}", allow_pickle)
+            state = _dcp_load({"model": get_model_state_dict(model)}, sharded_dir, f"model {index}", allow_pickle)
             set_model_state_dict(model, state["model"])
         elif os.path.isfile(full_file):
-            set_model_state_dict(model, _read_full(run, full_file, allow_pickle), options=_broadcast_options())
+            _load_full_model(model, _read_full(run, full_file, allow_pickle))
         elif is_plain:  # a single-process or DDP checkpoint: full weights, keyed by name
-            full = plain.read_model_state(directory, index) if _reads(run) else {}
-            set_model_state_dict(model, full, options=_broadcast_options())
+            _load_full_model(model, plain.read_model_state(directory, index) if _reads(run) else {})
         else:
             described = ""
             if manifest is not None:
@@ -224,8 +222,8 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
             sharded_opt = os.path.join(directory, optimizer_name(optimizer_index, True))
             full_opt = os.path.join(directory, optimizer_name(optimizer_index, False))
             if os.path.isdir(sharded_opt):
-                state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-                _dcp_load(state, sharded_opt, f"optimizer {optimizer_index}", allow_pickle)
+                state = _dcp_load({"optimizer": get_optimizer_state_dict(model, optimizer)}, sharded_opt,
+                                  f"optimizer {optimizer_index}", allow_pickle)
                 set_optimizer_state_dict(model, optimizer, state["optimizer"])
             elif is_plain:  # position-keyed (optimizer.safetensors, or optimizer.bin): re-keyed by name
                 full = {}
@@ -254,6 +252,19 @@ def _broadcast_options() -> Any:
     return _options(full_state_dict=True, broadcast_from_rank0=True) if _distributed() else _options(full_state_dict=True)
 
 
+def _load_full_model(model: Any, full: dict[str, Any]) -> None:
+    """Load a full model state dict (on rank 0; ``{}`` elsewhere) into a sharded model, strided
+    shards placed by :func:`torchrig_fsdp.strided.place_from_rank0` (torch slices them wrongly)."""
+    whole = dict(full)  # torch replaces the values of the dict it is given with the distributed ones
+    set_model_state_dict(model, full, options=_broadcast_options())
+    if _distributed():
+        strided.place_from_rank0(strided.model_targets(model), whole.__getitem__, _device(model))
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, full: dict[str, Any], path: str) -> None:
     """Load a full optimizer state dict into a sharded optimizer.
 
@@ -266,7 +277,11 @@ def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, full: dict
     keeps_tensors = any(isinstance(value, torch.Tensor) and value.dim() > 0
                         for per_param in local.get("state", {}).values() for value in per_param.values())
     if keeps_tensors:
+        whole = {name: dict(per_param) for name, per_param in full.get("state", {}).items()}  # as above
         set_optimizer_state_dict(model, optimizer, full, options=_broadcast_options())
+        if _distributed():
+            strided.place_from_rank0(strided.optimizer_targets(model, optimizer),
+                                     lambda key: whole[key[0]][key[1]], _device(model))
         return
     groups = [{key: value for key, value in group.items() if key != "params"} for group in full.get("param_groups", [])]
     if _distributed():
@@ -286,12 +301,17 @@ def _read_full(run: RunContext, path: str, allow_pickle: bool) -> dict[str, Any]
     return load_pickled(path, "a full FSDP state dict", allow_pickle=allow_pickle)
 
 
-def _dcp_load(state: dict[str, Any], path: str, what: str, allow_pickle: bool) -> None:
+def _dcp_load(state: dict[str, Any], path: str, what: str, allow_pickle: bool) -> dict[str, Any]:
+    """``state`` filled from the DCP directory ``path`` (strided shards through contiguous stand-ins:
+    :mod:`torchrig_fsdp.strided`)."""
     import torch.distributed.checkpoint as dcp
 
-    try:
-        dcp.load(state, storage_reader=safe_dcp.reader(path, allow_pickle),
+    def read(standing: dict[str, Any]) -> None:
+        dcp.load(standing, storage_reader=safe_dcp.reader(path, allow_pickle),
                  planner=safe_dcp.planner(path, allow_pickle), no_dist=not _distributed())
+
+    try:
+        return strided.load(state, read)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
