@@ -5,9 +5,11 @@ in transformers' vocabulary (``transformers.distributed.tensor_parallel``, regis
 ``ALL_PARALLEL_STYLES``). torchrig applies plans with torch's ``parallelize_module``, so each name
 is mapped here onto the torch style that shards and communicates the same way (read from
 transformers 5.24's classes), onto torchrig's own style (:mod:`torchrig_fsdp.tp_styles`) where torch
-has none, or refused with the reason and what to do. A test compares this table's keys with
-``ALL_PARALLEL_STYLES`` of the installed transformers, so a new style fails loudly instead of being
-applied wrongly; docs/parallelism.md's table is checked against :func:`describe`. The names alone, and
+has none, or refused with the reason and what to do. A column-wise style whose output is gathered
+whole runs as :func:`torchrig_fsdp.tp_styles.colwise_gather_output` (torch's ``ColwiseParallel``
+whose output is a fresh tensor, not ``to_local()``'s view, which FSDP2 warns about: the logits).
+A test compares this table's keys with ``ALL_PARALLEL_STYLES`` of the installed transformers, so a
+new style fails loudly instead of being applied wrongly; docs/parallelism.md's table is checked against :func:`describe`. The names alone, and
 the refusal reasons, live torch-free in :mod:`torchrig_fsdp.hf_style_names` (the manifest declares them).
 
 Nothing here imports transformers: a plan is names, and the names are all this module needs.
@@ -56,10 +58,9 @@ TRANSFORMERS_STYLES: dict[str, StyleEntry] = {
     "colwise": StyleEntry("ColwiseParallel()", ColwiseParallel, tp_styles.output_rows),
     "rowwise": StyleEntry("RowwiseParallel()", RowwiseParallel, tp_styles.input_columns),
     "colwise_gather_output": StyleEntry(
-        "ColwiseParallel(output_layouts=Replicate())", lambda: ColwiseParallel(output_layouts=Replicate()),
-        gathers_output=True),
-    "colwise_rep": StyleEntry("ColwiseParallel(output_layouts=Replicate())",
-                              lambda: ColwiseParallel(output_layouts=Replicate()), gathers_output=True),
+        "ColwiseParallel(output_layouts=Replicate())", tp_styles.colwise_gather_output, gathers_output=True),
+    "colwise_rep": StyleEntry("ColwiseParallel(output_layouts=Replicate())", tp_styles.colwise_gather_output,
+                              gathers_output=True),
     "rowwise_split_input": StyleEntry("RowwiseParallel(input_layouts=Replicate())",
                                       lambda: RowwiseParallel(input_layouts=Replicate())),
     "rowwise_rep": StyleEntry("RowwiseParallel(input_layouts=Replicate())",
@@ -68,7 +69,7 @@ TRANSFORMERS_STYLES: dict[str, StyleEntry] = {
                                     lambda: RowwiseParallel(input_layouts=Replicate()), lambda p, n: Shard(0)),
     "embedding_colwise": StyleEntry(
         "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()) (hidden dim split)",
-        lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()), lambda p, n: Shard(1),
+        lambda: tp_styles.colwise_gather_output(input_layouts=Replicate()), lambda p, n: Shard(1),
         gathers_output=True),
     "packed_colwise": StyleEntry("torchrig PackedColwiseParallel (per packed part: _StridedShard(split_factor=2))",
                                  tp_styles.PackedColwiseParallel, tp_styles.packed_rows),

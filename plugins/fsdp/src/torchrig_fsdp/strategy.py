@@ -42,6 +42,7 @@ from torchrig_fsdp.explain import FSDPConfigError, noted
 from torchrig_fsdp.manifest import HYBRID, SECTION
 from torchrig_fsdp.materialize import MaterializeError, materialize, meta_modules
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
+from torchrig_fsdp.partial_norms import dtensor_grad_norm
 from torchrig_fsdp.wrapping import apply_tensor_parallel, as_modules, checkpoint_forward, wrap_blocks
 
 #: The device mesh of this run (built in ``torchrig_configure``; ``None`` with one process).
@@ -442,8 +443,10 @@ def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0, *, 
         groups.setdefault(key, []).append(grad)
     norms = [torch.zeros((), device=torch.device("cpu") if group is None else pipeline.group_device(group))]
     for members in groups.values():
-        norm = torch.nn.utils.get_total_norm(members, norm_type=norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if isinstance(members[0], DTensor):  # one all-reduce over the sharded axes (torchrig_fsdp.partial_norms)
+            norms.append(dtensor_grad_norm(members, norm_type, may_flatten=group is None))
+        else:
+            norms.append(torch.nn.utils.get_total_norm(members, norm_type=norm_type))
     device = norms[-1].device
     norms = [n.to(device).float() for n in norms]
     if math.isinf(norm_type):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 #: Builds a parameter's placement from the parameter (its number of dimensions decides the dim).
@@ -58,6 +58,48 @@ class _SumOutputs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """This rank's slice of the last dimension in, the whole tensor out — a fresh tensor, never a
+    view (``DTensor.to_local()`` returns a view, and FSDP2 warns that a module returning one can
+    lose its pre-backward hook to an in-place op). Backward: this rank's slice of the gradient
+    (every rank's gradient of the replicated output is the same)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: Any, sizes: list[int]) -> torch.Tensor:
+        rank, widest = dist.get_rank(group), max(sizes)
+        ctx.start, ctx.size = sum(sizes[:rank]), sizes[rank]
+        padded = torch.nn.functional.pad(local.contiguous(), (0, widest - local.shape[-1]))
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[..., :size] for piece, size in zip(pieces, sizes)], dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad[..., ctx.start:ctx.start + ctx.size].contiguous(), None, None
+
+
+def colwise_gather_output(*, input_layouts: Placement | None = None) -> ColwiseParallel:
+    """torch's ``ColwiseParallel(output_layouts=Replicate())`` (transformers' ``colwise_gather_output``,
+    ``colwise_rep``, ``embedding_colwise``) with one change: torch returns the gathered output through
+    ``to_local()``, a view, which FSDP2 warns about when it is a wrapped module's output (a causal
+    LM's logits: "returned a view tensor ... wrong gradients"); here the gather makes a fresh tensor.
+    Still a ``ColwiseParallel`` (the plan checks read it as one): only its output function differs."""
+    style = ColwiseParallel(input_layouts=input_layouts, output_layouts=Shard(-1), use_local_output=True)
+    style._prepare_output_fn = _gather_output  # type: ignore[method-assign]  # read by ColwiseParallel._apply
+    return style
+
+
+def _gather_output(output_layouts: Any, use_local_output: bool, mod: torch.nn.Module, outputs: DTensor,
+                   device_mesh: Any) -> torch.Tensor:
+    """The column-wise output (sharded on its last dim) gathered whole on every rank, as a fresh tensor."""
+    if outputs.placements != output_layouts:
+        outputs = outputs.redistribute(placements=output_layouts)
+    ranks = device_mesh.size()
+    sizes = [len(part) for part in torch.arange(outputs.shape[-1]).chunk(ranks)]  # DTensor's (uneven) split
+    sizes += [0] * (ranks - len(sizes))
+    return _GatherLastDim.apply(outputs.to_local(), device_mesh.get_group(), sizes)
 
 
 def sum_gradients(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
@@ -228,5 +270,6 @@ class ShardedParameters(ParallelStyle):
 LOCAL_FORWARD_STYLES = (ExpertsTensorParallel, LocalParameters, PackedColwiseParallel)
 
 __all__ = ["LOCAL_FORWARD_STYLES", "ExpertsTensorParallel", "IdentityExpert", "KeepWhole", "LocalParameters",
-           "PackedColwiseParallel", "PlacementRule", "ReplicatedSumGradients", "ShardedParameters", "input_columns",
+           "PackedColwiseParallel", "PlacementRule", "ReplicatedSumGradients", "ShardedParameters", "colwise_gather_output",
+           "input_columns",
            "local_parameters", "output_rows", "packed_columns", "packed_rows", "sum_gradients", "sum_outputs"]
