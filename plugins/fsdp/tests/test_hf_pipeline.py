@@ -1,9 +1,10 @@
 """Pipeline stages from a transformers model's own ``base_model_pp_plan`` when the user gives neither
 ``pp_split_points`` nor ``pp_split_fn``: the plan's layer list split evenly into ``pp_size`` stages
 (embeddings on the first, the final norm and ``lm_head`` on the last), names kept, the split logged;
-more stages than layers, tied embeddings across stages and extra forward inputs refused by name. A tiny
-transformers Llama (4 layers) trained under PP 2 on 2 gloo ranks matches one process (every step's
-loss and every parameter)."""
+more stages than layers, tied embeddings across stages and extra forward inputs refused by name. Tiny
+transformers models (4 layers) of every family — Llama, Qwen3, Gemma (untied), GPT-NeoX, Qwen3-MoE —
+trained under PP 2 on 2 gloo ranks match one process (every step's loss and every parameter); Gemma as
+it comes (tied) is refused by name."""
 
 from __future__ import annotations
 
@@ -133,33 +134,38 @@ def _data(samples: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def _train_pp(ctx, parallelism: dict, dp_size: int, keyword: bool = False) -> dict:
+def _train_pp(ctx, parallelism: dict, dp_size: int, keyword: bool = False, family: str = "llama",
+              overrides: dict | None = None) -> dict:
+    with rank_environment(ctx.rank, ctx.world_size):
+        return _train_stage(parallelism, dp_size, keyword, family, overrides or {})
+
+
+def _train_stage(parallelism: dict, dp_size: int, keyword: bool, family: str, overrides: dict) -> dict:
     from torchrig import Accelerator
 
-    with rank_environment(ctx.rank, ctx.world_size):
-        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism)
-        model = _llama()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        loader = torch.utils.data.DataLoader(_data(STEPS * PER_RANK * dp_size), batch_size=PER_RANK)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        losses = []
-        for inputs, labels in loader:
-            loss = model(input_ids=inputs, target=labels) if keyword else model(inputs, target=labels)
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), CLIP)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(float(loss))
-        plain = accelerator.unwrap_model(model)
-        result = {"losses": losses, "params": {n: _full(p) for n, p in plain.named_parameters()},
-                  "sharded": sorted(n for n, p in plain.named_parameters() if hasattr(p, "placements"))}
-        accelerator.free_memory()
-        return result
+    accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism)
+    model = build(family, num_hidden_layers=LAYERS, **overrides)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    loader = torch.utils.data.DataLoader(_data(STEPS * PER_RANK * dp_size), batch_size=PER_RANK)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for inputs, labels in loader:
+        loss = model(input_ids=inputs, target=labels) if keyword else model(inputs, target=labels)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    plain = accelerator.unwrap_model(model)
+    result = {"losses": losses, "params": {n: _full(p) for n, p in plain.named_parameters()},
+              "sharded": sorted(n for n, p in plain.named_parameters() if hasattr(p, "placements"))}
+    accelerator.free_memory()
+    return result
 
 
-def _reference(dp_size: int = 1) -> dict:
+def _reference(dp_size: int = 1, family: str = "llama", overrides: dict | None = None) -> dict:
     """One process, every data-parallel rank's batch of a step concatenated (same seed, same data)."""
-    model = _llama()
+    model = build(family, num_hidden_layers=LAYERS, **(overrides or {}))
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
@@ -174,8 +180,8 @@ def _reference(dp_size: int = 1) -> dict:
     return {"losses": losses, "initial": initial, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _check(results: list[dict], dp_size: int) -> None:
-    reference = _reference(dp_size)
+def _check(results: list[dict], dp_size: int, family: str = "llama", overrides: dict | None = None) -> None:
+    reference = _reference(dp_size, family, overrides)
     trained: dict[str, torch.Tensor] = {}
     for result in results:
         if dp_size == 1:
@@ -186,8 +192,9 @@ def _check(results: list[dict], dp_size: int) -> None:
         assert mean == pytest.approx(expected, rel=1e-4, abs=1e-5), step
     assert trained.keys() == reference["params"].keys()
     for name, expected in reference["params"].items():
-        torch.testing.assert_close(trained[name], expected, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
-        assert not torch.equal(expected, reference["initial"][name]), f"{name} did not train"
+        torch.testing.assert_close(trained[name], expected, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{family} {name}: {m}")
+        assert not torch.equal(expected, reference["initial"][name]), f"{family} {name} did not train"
 
 
 @pytest.mark.multiprocess
@@ -208,3 +215,38 @@ def test_pp2_with_tp2_or_fsdp2_from_the_models_own_plans_like_one_process(parall
         results = pool4.run(_train_pp, parallelism, dp_size, timeout=TIMEOUT)
     assert all(result["sharded"] for result in results)
     _check(results, dp_size)
+
+
+#: The other families, trained under PP 2 from their own base_model_pp_plan (Gemma untied: tied, it is refused).
+PP_FAMILIES = {"qwen3": {}, "gemma": {"tie_word_embeddings": False}, "gpt_neox": {}, "qwen3_moe": {}}
+
+
+def _train_families_pp(ctx) -> dict:
+    """Every family in turn under PP 2; then Gemma as it comes (tied embeddings), which must be refused."""
+    from torchrig import Accelerator
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        results = {family: _train_stage({"pp_size": 2}, 1, False, family, overrides)
+                   for family, overrides in PP_FAMILIES.items()}
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config={"pp_size": 2})
+        try:
+            accelerator.prepare(build("gemma", num_hidden_layers=LAYERS))
+        except ConfigError as exc:
+            results["gemma_tied_refused"] = str(exc)
+        accelerator.free_memory()
+        return results
+
+
+@pytest.mark.multiprocess
+def test_every_family_trains_under_pp2_from_its_own_plan_like_one_process(pool2):
+    """Qwen3, Gemma (untied), GPT-NeoX and Qwen3-MoE, one pooled task: each stage's parameters and every
+    step's loss against one process; Gemma with its default tied embeddings refused naming both weights."""
+    results = pool2.run(_train_families_pp, timeout=TIMEOUT)
+    for family, overrides in PP_FAMILIES.items():
+        per_rank = [result[family] for result in results]
+        assert not per_rank[0]["params"].keys() & per_rank[1]["params"].keys(), family  # each parameter on one stage
+        _check(per_rank, 1, family, overrides)
+    for result in results:
+        refused = result.get("gemma_tied_refused")
+        assert refused is not None, "Gemma's tied embeddings were split across stages without a word"
+        assert "model.embed_tokens.weight and lm_head.weight" in refused and "tie_word_embeddings=False" in refused
