@@ -5,9 +5,11 @@ The convention, in the block's info string (after the language; GitHub shows onl
 * ```` ```python ```` — a whole script: run with ``python`` in a fresh directory, exit 0.
 * ```` ```yaml ```` — a torchrig configuration file: ``torchrig config validate`` accepts it (the real loader
   and validator, the same messages a user gets).
-* ```` ```bash ```` — command lines run with ``bash -e`` in the doc's directory. ``torchrig launch`` gets
-  ``--dry-run`` (every flag, config file and plugin is checked; nothing starts) unless the info string says
-  ``launch``: then it starts for real, so such a line keeps to the smallest settings (2 CPU processes).
+* ```` ```bash ```` — command lines, in the doc's directory: each ``torchrig`` line in this process (as the
+  console script runs it), ``torchrig launch`` with ``--dry-run`` (every flag, config file, plugin and
+  parallelism size checked, each rank's environment built; nothing starts); the other lines (``sed``...)
+  with ``bash -e``. A block whose info string says ``launch`` runs whole with ``bash -e``, starting for real,
+  so it keeps to the smallest settings (2 CPU processes).
 * ``file=NAME`` — the block is also written to ``NAME`` in the doc's directory, where the commands of the same
   doc find it (``--config_file NAME``); a script a command names as ``train.py`` is ``examples/train_mlp.py``
   unless the doc writes its own; ``launch.sh`` is an ``accelerate launch`` line.
@@ -27,6 +29,7 @@ import pathlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -51,8 +54,6 @@ EXPECTED_FILES = {
     ("trackers.md", "class PrintTracker"): ["metrics.txt", "runs/exp2/print-demo/events.out.tfevents.*"],
     ("parallelism.md", "examples/train_tp.py"): ["tp_run/checkpoints/checkpoint_*/torchrig_checkpoint.json"],
 }
-#: Scripts that resume from their own checkpoint: run twice, the second run resumes.
-RESUMING = ("checkpoints.md",)
 
 
 class Block:
@@ -101,6 +102,17 @@ def doc_blocks(path: pathlib.Path) -> list[Block]:
 
 
 ALL_BLOCKS = [block for path in sorted(DOCS.glob("*.md")) for block in doc_blocks(path)]
+
+
+def call_cli(argv: list[str]) -> tuple[int, str, str]:
+    """``torchrig ARGV`` in this process, as the console script runs it: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = torchrig_main(argv)
+        except SystemExit as exit_:
+            status = exit_.code
+    return status, out.getvalue(), err.getvalue()
 
 
 def blocks(language: str, *, runnable: bool | None = None) -> list[Block]:
@@ -155,14 +167,9 @@ def test_yaml_blocks_pass_the_config_validator(block, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHRIG_CONFIG_HOME", str(tmp_path))
     path = tmp_path / (block.file or "config.yaml")
     path.write_text(block.text)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = torchrig_main(["config", "validate", str(path)])
-        except SystemExit as exit_:
-            status = exit_.code
-    assert status == 0, f"{block.where}: torchrig config validate says:\n{err.getvalue()}{out.getvalue()}"
-    assert "valid" in out.getvalue()
+    status, out, err = call_cli(["config", "validate", str(path)])
+    assert status == 0, f"{block.where}: torchrig config validate says:\n{err}{out}"
+    assert "valid" in out
 
 
 def shell_commands(text: str) -> list[str]:
@@ -187,7 +194,7 @@ def doc_directory(tmp_path: pathlib.Path, doc: str) -> pathlib.Path:
     """The doc's working directory: its ``file=`` blocks, ``examples/``, and the user's ``train.py`` and
     ``launch.sh`` stood in for."""
     directory = tmp_path / doc.removesuffix(".md")
-    directory.mkdir()
+    directory.mkdir(parents=True)
     (directory / "examples").symlink_to(REPO / "examples")
     shutil.copy(REPO / "examples" / "train_mlp.py", directory / "train.py")
     (directory / "launch.sh").write_text("accelerate launch --num_processes 2 train.py\n")  # "your launch script"
@@ -204,29 +211,67 @@ def check_effects(block: Block, directory: pathlib.Path) -> None:
     assert not missing, f"{block.where}: ran, but left no {missing} in {directory}"
 
 
-def run(command: list[str], directory: pathlib.Path, where: str, timeout: int) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=directory, env=clean_env(directory), capture_output=True, text=True,
-                            timeout=timeout, start_new_session=True)
-    assert result.returncode == 0, (f"{where} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n"
-                                    f"--- stderr\n{result.stderr[-6000:]}")
+def run(command: list[str], directory: pathlib.Path, where: str, timeout: int, guard) -> subprocess.CompletedProcess:
+    """Run in its own session, tracked by the process guard (nothing may outlive the test); killed whole
+    on a timeout."""
+    proc = subprocess.Popen(command, cwd=directory, env=clean_env(directory), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    guard.track(proc)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{where} ran past {timeout} s\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-6000:]}")
+    result = subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+    assert result.returncode == 0, (f"{where} exited {result.returncode}\n--- stdout\n{stdout[-4000:]}\n"
+                                    f"--- stderr\n{stderr[-6000:]}")
     return result
 
 
 SCRIPTS = blocks("python", runnable=True)
 
 
+#: Runs each (directory, script) given as arguments as ``python script`` would (``__main__``, its directory
+#: the working directory and sys.path[0]), one after the other in one interpreter — torch is imported once,
+#: not once per script — and reports each one's traceback between markers.
+SCRIPT_RUNNER = """
+import os, runpy, sys, traceback
+failed = 0
+for directory, script in zip(sys.argv[1::2], sys.argv[2::2]):
+    os.chdir(directory)
+    sys.path.insert(0, directory)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            failed += 1
+            print(f"@@@ {script}\\nexit status {exit_.code}\\n@@@", file=sys.stderr, flush=True)
+    except BaseException:
+        failed += 1
+        print(f"@@@ {script}\\n{traceback.format_exc()}@@@", file=sys.stderr, flush=True)
+    finally:
+        sys.path.remove(directory)
+sys.exit(1 if failed else 0)
+"""
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("block", SCRIPTS, ids=repr)
-def test_python_scripts_run(block, tmp_path):
-    directory = doc_directory(tmp_path, block.doc)
-    script = directory / f"doc_block_{block.line}.py"
-    script.write_text(block.text)
-    run([sys.executable, str(script)], directory, block.where, timeout=200)
-    check_effects(block, directory)
-    if block.doc in RESUMING:
-        result = run([sys.executable, str(script)], directory, block.where + " (again: resuming)", timeout=200)
-        assert "Traceback" not in result.stderr, result.stderr
+@pytest.mark.timeout(420)
+def test_python_scripts_run(tmp_path, process_guard):
+    """Every runnable Python block, as a script in a fresh directory of its own; then the files its doc says
+    it writes are there (checkpoints, tracker event files)."""
+    arguments, directories = [], []
+    for block in SCRIPTS:
+        directory = doc_directory(tmp_path / f"line{block.line}", block.doc)
+        script = directory / f"doc_block_{block.line}.py"
+        script.write_text(block.text)
+        arguments += [str(directory), str(script)]
+        directories.append(directory)
+    run([sys.executable, "-c", SCRIPT_RUNNER, *arguments], tmp_path, f"the scripts of {SCRIPTS}", timeout=400,
+        guard=process_guard)
+    for block, directory in zip(SCRIPTS, directories):
+        check_effects(block, directory)
 
 
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
@@ -240,10 +285,6 @@ def split_command(command: str) -> tuple[dict[str, str], list[str]]:
         name, _, value = words.pop(0).partition("=")
         env[name] = value
     return env, words
-
-
-def with_dry_run(text: str) -> str:
-    return re.sub(r"\btorchrig launch\b", "torchrig launch --dry-run", text)
 
 
 @pytest.fixture
@@ -281,13 +322,8 @@ def test_torchrig_command_lines_pass(block, tmp_path, monkeypatch, restored_envi
         with monkeypatch.context() as scoped:
             for name, value in env.items():
                 scoped.setenv(name, value)
-            out, err = io.StringIO(), io.StringIO()
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                try:
-                    status = torchrig_main(words[1:])
-                except SystemExit as exit_:
-                    status = exit_.code
-        assert status == 0, f"{block.where}: {command}\nexited {status}:\n{err.getvalue()}{out.getvalue()[-3000:]}"
+            status, out, err = call_cli(words[1:])
+        assert status == 0, f"{block.where}: {command}\nexited {status}:\n{err}{out[-3000:]}"
         ran += 1
     assert ran or any(split_command(c)[1][0] != "torchrig" for c in shell_commands(block.text))
 
@@ -299,12 +335,14 @@ SHELL_RUN_BLOCKS = [block for block in COMMAND_BLOCKS
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("block", SHELL_RUN_BLOCKS, ids=repr)
-def test_shell_blocks_run(block, tmp_path):
-    """The blocks that start something (``launch``: for real, 2 CPU processes) or hold other commands
-    (``sed``...): run whole with ``bash -e`` as a user pastes them, ``torchrig launch`` otherwise dry."""
+def test_shell_blocks_run(block, tmp_path, process_guard):
+    """The blocks that start something (``launch``: for real, 2 CPU processes), whole, with ``bash -e`` as a
+    user pastes them; of the others, the lines that are not ``torchrig`` (``sed``...), which the in-process
+    test above leaves out."""
     directory = doc_directory(tmp_path, block.doc)
-    text = block.text if block.launch else with_dry_run(block.text)
-    run(["bash", "-e", "-c", text], directory, block.where, timeout=280)
+    text = block.text if block.launch else "\n".join(
+        command for command in shell_commands(block.text) if split_command(command)[1][0] != "torchrig")
+    run(["bash", "-e", "-c", text], directory, block.where, timeout=280, guard=process_guard)
     if block.launch:
         check_effects(block, directory)
 
@@ -319,3 +357,20 @@ def test_estimate_memory_suggests_a_download_command_that_is_installed(monkeypat
     command = re.search(r"fetch it where there is a network \((\S+) download", str(error.value))
     assert command, str(error.value)
     assert shutil.which(command[1]), f"the message suggests {command[1]!r}, which is not installed: {error.value}"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num_processes", "3", "--tp_size", "2", "--dp_shard_size", "-1"],
+     "-1 cannot be inferred: the world size 3 is not a multiple of the other sizes' product 2"),
+    (["--num_processes", "4", "--tp_size", "2", "--cp_size", "2", "--pp_size", "2"],
+     "the sizes multiply to 8 (cp_size=2, tp_size=2, pp_size=2) but the world size is 4"),
+], ids=["minus_one_on_3_ranks", "product_8_on_4_ranks"])
+def test_parallelism_sizes_that_cannot_fill_the_world_stop_the_launch_before_any_rank(
+        flags, message, tmp_path, monkeypatch, restored_environ):
+    """docs/parallelism.md, "Checked before anything starts": a real (not dry) launch exits 2 naming the
+    flag, in this process, starting nothing (the fast tier fails a test that starts a process)."""
+    monkeypatch.chdir(doc_directory(tmp_path, "parallelism.md"))
+    monkeypatch.setenv("TORCHRIG_CONFIG_HOME", str(tmp_path))
+    status, _, err = call_cli(["launch", "--use_fsdp", "--cpu", *flags, "examples/train_tp.py"])
+    assert status == 2
+    assert message in err and "(flag --" in err and "Traceback" not in err, err
