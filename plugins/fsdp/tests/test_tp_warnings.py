@@ -2,7 +2,8 @@
 nothing of torchrig's own calls: no "returned a view tensor" from FSDP2 (a gathered column-wise
 output — the logits — was ``DTensor.to_local()``'s view) and no "2 sequential all_reduce ...
 flatten mesh dimensions" from the gradient norm (reduced once over a flattened sub-mesh) — and it
-still trains like one process, with a clipping norm equal on every rank to the last bit."""
+still trains like one process, with a clipping norm equal on every rank to the last bit. Also with a
+plan in torchrig's own style names (its ``output`` style gathers the logits the same way)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,12 @@ pytestmark = pytest.mark.multiprocess
 
 TIMEOUT = 300
 STEPS, PER_RANK, LR, CLIP, DP = 2, 2, 1e-2, 0.5, 2
-FAMILIES = ("llama", "qwen3")  # qwen3: its q_norm/k_norm gradients summed over tp (replicated_with_grad_allreduce)
+#: name -> (family, tp_plan): the model's own plan, or torchrig's style names (docs/parallelism.md).
+#: qwen3: its q_norm/k_norm gradients summed over tp (replicated_with_grad_allreduce).
+TORCHRIG_PLAN = {"model.embed_tokens": "embedding", "model.layers.*.self_attn.[qkv]_proj": "colwise",
+                 "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.[gu]*_proj": "colwise",
+                 "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "output"}
+RUNS = {"llama": ("llama", None), "qwen3": ("qwen3", None), "llama_torchrig_plan": ("llama", TORCHRIG_PLAN)}
 #: What torch says about the calls this test is about.
 NOISE = ("returned a view tensor", "sequential all_reduce", "flatten mesh dimensions")
 
@@ -42,9 +48,9 @@ def _train(ctx) -> dict:
     try:
         with rank_environment(ctx.rank, ctx.world_size), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for family in FAMILIES:
-                accelerator = Accelerator(cpu=True, strategy="fsdp",
-                                          parallelism_config=ParallelismConfig(dp_shard_size=DP, tp_size=2))
+            for run, (family, tp_plan) in RUNS.items():
+                accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=ParallelismConfig(
+                    dp_shard_size=DP, tp_size=2, **({"tp_plan": tp_plan} if tp_plan else {})))
                 model = build(family)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
                 loader = torch.utils.data.DataLoader(make_data(STEPS * PER_RANK * DP), batch_size=PER_RANK)
@@ -59,7 +65,7 @@ def _train(ctx) -> dict:
                     losses.append(float(loss.detach()))
                 params = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
                           for name, p in accelerator.unwrap_model(model).named_parameters()}
-                results[family] = {"losses": losses, "norms": norms, "params": params}
+                results[run] = {"losses": losses, "norms": norms, "params": params}
                 accelerator.free_memory()
     finally:
         torch_logger.removeHandler(handler)
@@ -95,16 +101,17 @@ def test_torch_says_nothing_about_torchrigs_own_calls(results):
         assert noisy == [], f"rank {rank}: {noisy}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_it_still_trains_like_one_process_with_one_clipping_norm_everywhere(results, family):
+@pytest.mark.parametrize("run", RUNS)
+def test_it_still_trains_like_one_process_with_one_clipping_norm_everywhere(results, run):
+    family = RUNS[run][0]
     reference = _reference(family)
     for step, expected in enumerate(reference["norms"]):
-        seen = [result[family]["norms"][step] for result in results]
+        seen = [result[run]["norms"][step] for result in results]
         assert all(torch.equal(norm, seen[0]) for norm in seen), (family, step, seen)  # bit-equal on every rank
         assert float(seen[0]) == pytest.approx(float(expected), rel=1e-4), (family, step)
     for step, expected in enumerate(reference["losses"]):
-        mean = sum(results[dp * 2][family]["losses"][step] for dp in range(DP)) / DP
+        mean = sum(results[dp * 2][run]["losses"][step] for dp in range(DP)) / DP
         assert mean == pytest.approx(expected, rel=1e-4, abs=1e-5), (family, step)
     for name, expected in reference["params"].items():
-        torch.testing.assert_close(results[0][family]["params"][name], expected, rtol=1e-4, atol=1e-4,
-                                   msg=lambda m, name=name: f"{family} {name}: {m}")
+        torch.testing.assert_close(results[0][run]["params"][name], expected, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{run} {name}: {m}")

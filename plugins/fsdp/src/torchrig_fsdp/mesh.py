@@ -91,17 +91,20 @@ def tp_mesh(mesh: Any) -> Any:
 
 def torchrig_styles(loss_parallel: bool) -> dict[str, ParallelStyle]:
     """torchrig's own style names (docs/parallelism.md), the vocabulary of ``parallelism_config.tp_plan``."""
-    out = Shard(-1) if loss_parallel else Replicate()
     return {
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(),
         "embedding": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=out, use_local_output=not loss_parallel),
+        # loss parallel: the logits stay sharded; else gathered whole as a fresh tensor, not a view (FSDP2 warns)
+        "output": (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if loss_parallel
+                   else tp_styles.colwise_gather_output()),
         "sequence_parallel": SequenceParallel(),
         "prepare_input_sp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "rowwise_sp": RowwiseParallel(output_layouts=Shard(1)),
         "embedding_sp": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "output_sp": ColwiseParallel(input_layouts=Shard(1), output_layouts=out, use_local_output=not loss_parallel),
+        "output_sp": (ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+                      if loss_parallel
+                      else tp_styles.colwise_gather_output(input_layouts=Shard(1))),
     }
 
 
