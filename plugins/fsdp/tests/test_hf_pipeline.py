@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 from torchrig.errors import ConfigError
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.pool import checked_pool
@@ -135,19 +136,25 @@ def _data(samples: int) -> torch.utils.data.TensorDataset:
 
 
 def _train_pp(ctx, parallelism: dict, dp_size: int, keyword: bool = False, family: str = "llama",
-              overrides: dict | None = None) -> dict:
+              overrides: dict | None = None, weights: str | None = None) -> dict:
     with rank_environment(ctx.rank, ctx.world_size):
-        return _train_stage(parallelism, dp_size, keyword, family, overrides or {})
+        return _train_stage(parallelism, dp_size, keyword, family, overrides or {}, weights)
 
 
-def _train_stage(parallelism: dict, dp_size: int, keyword: bool, family: str, overrides: dict) -> dict:
+def _train_stage(parallelism: dict, dp_size: int, keyword: bool, family: str, overrides: dict,
+                 weights: str | None = None) -> dict:
+    """Train one stage. With ``weights`` (a directory holding ``reference/``, the one-process model's
+    ``save_pretrained``), the stage starts from other random weights, loads the reference into itself
+    and after training writes ``saved/`` with ``save_model``."""
     from torchrig import Accelerator
+    from torchrig.checkpoint.hf_load import local_bytes
 
     accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=parallelism)
-    model = build(family, num_hidden_layers=LAYERS, **overrides)
+    model = build(family, seed=5 if weights else 0, num_hidden_layers=LAYERS, **overrides)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     loader = torch.utils.data.DataLoader(_data(STEPS * PER_RANK * dp_size), batch_size=PER_RANK)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    loaded = accelerator.load_pretrained_weights(model, os.path.join(weights, "reference")) if weights else None
     losses = []
     for inputs, labels in loader:
         loss = model(input_ids=inputs, target=labels) if keyword else model(inputs, target=labels)
@@ -159,6 +166,9 @@ def _train_stage(parallelism: dict, dp_size: int, keyword: bool, family: str, ov
     plain = accelerator.unwrap_model(model)
     result = {"losses": losses, "params": {n: _full(p) for n, p in plain.named_parameters()},
               "sharded": sorted(n for n, p in plain.named_parameters() if hasattr(p, "placements"))}
+    if weights:
+        result.update(bytes_read=loaded.bytes_read, local_bytes=local_bytes(plain),
+                      written=accelerator.save_model(model, os.path.join(weights, "saved"), max_shard_size="40KB"))
     accelerator.free_memory()
     return result
 
@@ -198,10 +208,24 @@ def _check(results: list[dict], dp_size: int, family: str = "llama", overrides: 
 
 
 @pytest.mark.multiprocess
-def test_a_transformers_llama_trains_under_pp2_from_its_own_plan_like_one_process(pool2):
-    results = pool2.run(_train_pp, {"pp_size": 2}, 1, True, timeout=TIMEOUT)  # model(input_ids=..., target=...)
+def test_a_transformers_llama_trains_under_pp2_from_its_own_plan_like_one_process(pool2, tmp_path):
+    """Also weights in and out of transformers' own stages: each stage loads only its layers' bytes of
+    the reference's ``save_pretrained`` files (it starts from other weights, so matching the reference
+    proves the load), and ``save_model`` from the two stages writes one model ``from_pretrained`` reads
+    bit-exactly as the stages hold it."""
+    build("llama", num_hidden_layers=LAYERS).save_pretrained(tmp_path / "reference", max_shard_size="40KB")
+    results = pool2.run(_train_pp, {"pp_size": 2}, 1, True, "llama", None, str(tmp_path),
+                        timeout=TIMEOUT)  # model(input_ids=..., target=...)
     assert not results[0]["params"].keys() & results[1]["params"].keys()  # each parameter on one stage
     _check(results, 1)
+    for result in results:
+        assert result["bytes_read"] == result["local_bytes"], "a stage read bytes of the other stage's layers"
+    assert results[0]["written"] and results[1]["written"] == []
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    trained = {**results[0]["params"], **results[1]["params"]}
+    assert dict(saved.named_parameters()).keys() == trained.keys()
+    for name, value in saved.named_parameters():
+        assert torch.equal(value.detach(), trained[name]), name
 
 
 @pytest.mark.multiprocess
