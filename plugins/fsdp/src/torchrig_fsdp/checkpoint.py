@@ -205,9 +205,9 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
             state = _dcp_load({"model": get_model_state_dict(model)}, sharded_dir, f"model {index}", allow_pickle)
             set_model_state_dict(model, state["model"])
         elif os.path.isfile(full_file):
-            _load_full_model(model, _read_full(run, full_file, allow_pickle))
+            _load_full_model(run, model, _read_full(run, full_file, allow_pickle))
         elif is_plain:  # a single-process or DDP checkpoint: full weights, keyed by name
-            _load_full_model(model, plain.read_model_state(directory, index) if _reads(run) else {})
+            _load_full_model(run, model, plain.read_model_state(directory, index) if _reads(run) else {})
         else:
             described = ""
             if manifest is not None:
@@ -252,17 +252,18 @@ def _broadcast_options() -> Any:
     return _options(full_state_dict=True, broadcast_from_rank0=True) if _distributed() else _options(full_state_dict=True)
 
 
-def _load_full_model(model: Any, full: dict[str, Any]) -> None:
+def _load_full_model(run: RunContext, model: Any, full: dict[str, Any]) -> None:
     """Load a full model state dict (on rank 0; ``{}`` elsewhere) into a sharded model, strided
     shards placed by :func:`torchrig_fsdp.strided.place_from_rank0` (torch slices them wrongly)."""
     whole = dict(full)  # torch replaces the values of the dict it is given with the distributed ones
     set_model_state_dict(model, full, options=_broadcast_options())
     if _distributed():
-        strided.place_from_rank0(strided.model_targets(model), whole.__getitem__, _device(model))
+        strided.place_from_rank0(strided.model_targets(model), whole.__getitem__, _device(run))
 
 
-def _device(model: Any) -> torch.device:
-    return next(model.parameters()).device
+def _device(run: RunContext) -> torch.device:
+    """Where collectives run (a broadcast over nccl needs a CUDA tensor even if parameters are offloaded)."""
+    return run.device.device if run.device is not None else torch.device("cpu")
 
 
 def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, full: dict[str, Any], path: str) -> None:
@@ -281,7 +282,7 @@ def _load_full_optimizer(run: RunContext, model: Any, optimizer: Any, full: dict
         set_optimizer_state_dict(model, optimizer, full, options=_broadcast_options())
         if _distributed():
             strided.place_from_rank0(strided.optimizer_targets(model, optimizer),
-                                     lambda key: whole[key[0]][key[1]], _device(model))
+                                     lambda key: whole[key[0]][key[1]], _device(run))
         return
     groups = [{key: value for key, value in group.items() if key != "params"} for group in full.get("param_groups", [])]
     if _distributed():
