@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -542,3 +543,29 @@ def test_when_the_launcher_exits_nothing_a_rank_started_is_alive_daemons_include
     for pid in started:
         process_guard.track(pid)
     assert leftover_processes(started, reap=False) == [], "processes a rank started outlived the launcher"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_configuration_error_in_a_rank_is_its_message_and_the_scripts_line_not_a_traceback(tmp_path,
+                                                                                              process_guard):
+    """``tp_size 2`` and a model without a plan can only be refused at ``prepare``: every rank says the
+    ConfigError and the script's line, the launch summary the same, and the full traceback is kept in the
+    rank's error file (before: ~30 lines of torchrig's frames on every rank)."""
+    script = tmp_path / "no_plan.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        from torchrig import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(torch.nn.Linear(4, 4))
+    """))
+    log_dir = tmp_path / "logs"
+    code, _, err = run(tmp_path, process_guard, "--num_processes", "2", "--strategy", "fsdp", "--tp_size", "2",
+                       "--log_dir", str(log_dir), str(script))
+    assert code == 1, err
+    assert "Traceback" not in err and "torchrig/" not in err.replace(str(log_dir), ""), err
+    assert err.count("ConfigError:") >= 2, err  # each rank's line (and the summary)
+    assert f"(raised by {script}:5 (model = accelerator.prepare(torch.nn.Linear(4, 4))))" in err, err
+    error_file = json.loads((log_dir / "attempt-0" / "rank-0.error.json").read_text())
+    assert "Traceback" in error_file["message"]["extraInfo"]["py_callstack"]

@@ -33,12 +33,14 @@ from __future__ import annotations
 import collections
 import faulthandler
 import os
+import re
 import runpy
 import select
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -46,6 +48,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchrig import preemption, run_status
+from torchrig.errors import ConfigError
 from torchrig.launch import status as _status
 from torchrig.launch.supervisor import set_parent_death_signal, supervise
 from torchrig.liveness import process_is_alive
@@ -57,6 +60,8 @@ STOP_GRACE_S = 3.0
 #: rank's own grace, before the launcher's SIGKILL (default grace 10 s).
 KILL_GRACE_S = STOP_GRACE_S + 2.0
 _MODES = ("script", "module", "exec")
+#: torchrig's package and its plugins' (``torchrig_fsdp``...): frames there are not the user's.
+_TORCHRIG_PACKAGE = re.compile(r"torchrig(_\w+)?")
 
 
 class Terminated(BaseException):
@@ -270,10 +275,54 @@ def _outcome(exc: BaseException, watch: _Watch) -> int:
         return _stopped(watch, exc.signum, _format(exc))
     if isinstance(exc, KeyboardInterrupt):
         return _stopped(watch, signal.SIGINT, _format(exc))
+    if isinstance(exc, ConfigError):
+        return _config_error(exc, watch)
     text = _format(exc)
     sys.stderr.write(text)
     sys.stderr.flush()
     return _failed(watch, 1, _first_line(exc), text)
+
+
+def _config_error(exc: ConfigError, watch: _Watch) -> int:
+    """A ConfigError already says what is wrong and what to do: every rank shows it with the line of
+    the script that called into torchrig, not a traceback through torchrig's internals (~30 lines a
+    rank); the full traceback stays in the rank's error file."""
+    where = _script_frame(exc)
+    short = f"{type(exc).__name__}: {exc}\n" + (f"  (raised by {where})\n" if where else "")
+    sys.stderr.write(short)
+    sys.stderr.flush()
+    now = time.time()
+    message = _first_line(exc)
+    if watch.finish(state=_status.FAILED, exit_code=1, ended_at=now, error=message, traceback=_status.tail(short)):
+        write_error_file(message, _format(exc), now)
+    return 1
+
+
+def _script_frame(exc: BaseException) -> str | None:
+    """``file:line (code)`` of the innermost frame outside torchrig and its plugins (packages named
+    ``torchrig``/``torchrig_*``), installed packages and the standard library: the user's call that
+    led to ``exc``."""
+    libraries = tuple(os.path.abspath(p) + os.sep for p in {sysconfig.get_path(name)
+                                                            for name in ("stdlib", "purelib", "platlib")} if p)
+
+    def in_torchrig_package(path: str) -> bool:
+        directory = os.path.dirname(path)
+        while directory != os.path.dirname(directory):
+            if _TORCHRIG_PACKAGE.fullmatch(os.path.basename(directory)) and os.path.exists(
+                    os.path.join(directory, "__init__.py")):
+                return True
+            directory = os.path.dirname(directory)
+        return False
+
+    def users(filename: str) -> bool:
+        path = os.path.abspath(filename)
+        return not (filename.startswith("<") or path.startswith(libraries) or in_torchrig_package(path))
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if users(f.filename)]
+    if not frames:
+        return None
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})" if frame.line else "")
 
 
 def _finished(watch: _Watch) -> int:
