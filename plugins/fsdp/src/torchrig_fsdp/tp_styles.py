@@ -70,9 +70,13 @@ class _GatherLastDim(torch.autograd.Function):
     def forward(ctx: Any, local: torch.Tensor, group: Any, sizes: list[int]) -> torch.Tensor:
         rank, widest = dist.get_rank(group), max(sizes)
         ctx.start, ctx.size = sum(sizes[:rank]), sizes[rank]
-        padded = torch.nn.functional.pad(local.contiguous(), (0, widest - local.shape[-1]))
+        padded = local.contiguous()
+        if local.shape[-1] < widest:  # an uneven split: the all-gather wants equal pieces (no copy when even)
+            padded = torch.nn.functional.pad(padded, (0, widest - local.shape[-1]))
         pieces = [torch.empty_like(padded) for _ in sizes]
         dist.all_gather(pieces, padded, group=group)
+        if len(set(sizes)) == 1:
+            return torch.cat(pieces, dim=-1)
         return torch.cat([piece[..., :size] for piece, size in zip(pieces, sizes)], dim=-1)
 
     @staticmethod
