@@ -4,9 +4,9 @@ bit-exactly, in the same layout and across layouts.
 Its fused expert projection ``gate_up_proj`` is placed ``_StridedShard(dim=1, sf=2)`` on the tp axis (the
 gate half and the up half split part by part): each rank's chunk is two slices of the full tensor, not
 one: torch's DCP refused to save it ("overlapping chunks") and its full-state load (``FULL_STATE_DICT``)
-sliced it as one block, silently wrong. For both state_dict_types, on 4 gloo ranks in one pool: trained under HSDP's replicate axis x TP 2 and saved; loaded under FSDP2 x TP
-2 x 2 (then trained and saved again), under the same layout, and back under replicate x TP; and both
-checkpoints loaded by one process — parameters and AdamW state compared with ``torch.equal``.
+sliced it as one block, silently wrong. For both state_dict_types, on 4 gloo ranks in one pool: trained
+under HSDP's replicate axis x TP 2 and saved; loaded under FSDP2 x TP 2 x 2 (then trained and saved
+again), under the same layout, and back under replicate x TP; and both checkpoints loaded by one process — parameters and AdamW state compared with ``torch.equal``.
 """
 
 from __future__ import annotations
