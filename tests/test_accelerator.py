@@ -300,7 +300,7 @@ def test_prepare_rejects_an_optimizer_spanning_two_models():
     accelerator = Accelerator(cpu=True)
     a, b = mlp(), mlp()
     optimizer = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
-    with pytest.raises(ValueError, match="more than one model"):
+    with pytest.raises(ValueError, match="holds parameters of Sequential and others that are not its"):
         accelerator.prepare(a, b, optimizer)
 
 

@@ -256,8 +256,10 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
             own = [o for o in optimizers if o not in claimed and _optimizer_params(args[o]) & params]
             for o in own:
                 if not _optimizer_params(args[o]) <= params:
-                    raise ValueError(f"prepare(): optimizer #{o} holds parameters of more than one model; give each "
-                                     "model its own optimizer")
+                    raise ValueError(f"prepare(): optimizer #{o} holds parameters of {type(model).__name__} and "
+                                     "others that are not its (another model's, or a tensor outside any model such "
+                                     "as a learnable loss scale); give each model its own optimizer, and register "
+                                     "a parameter outside the model on the model (or in an optimizer of its own)")
             claimed.update(own)
             own_schedulers = [s for s in schedulers if any(args[s].optimizer is args[o] for o in own)]
             convert_model(self._host, self._run, model, [args[o] for o in own])  # fp8: before sharding/compile
