@@ -121,10 +121,15 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
         self.gradient_state = gradient_state_of(self._run)
         self._configure_accumulation()
         self._plan: StepPlan | None = None
+        #: The plan as the plugins built it (its GradScaler included), before the accelerator's own
+        #: wrappers: a check leaving the plan re-wraps this one, never a new build (a new GradScaler
+        #: between a scaled backward and its step would have no scale).
+        self._base_plan: StepPlan | None = None
         self._plan_generation = -1
         self._unprepared = UnpreparedParameterCheck(
             live_param_ids=self._prepared_param_ids, syncing=lambda: self.gradient_state.sync_gradients,
-            data_parallel_size=lambda: getattr(self._run.capabilities, "data_parallel_size", None), on_done=self._replan)
+            data_parallel_size=lambda: getattr(self._run.capabilities, "data_parallel_size", None),
+            on_done=self._rewrap_plan)
         #: What is prepared and registered, in order: appended to here, read by the checkpoints.
         self._ledger = CheckpointLedger(self._run, self.gradient_state)
         self._models: list[PreparedModel] = self._ledger.models
@@ -140,7 +145,7 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
         self._preemption = self._arm_preemption()
         self._throughput = self._arm_throughput()
         dynamo = self.config.section("dynamo_config")
-        self._compile_check = CompileVerifier(on_done=self._replan, check_after_steps=dynamo.check_after_steps,
+        self._compile_check = CompileVerifier(on_done=self._rewrap_plan, check_after_steps=dynamo.check_after_steps,
                                               recompile_warn_threshold=dynamo.recompile_warn_threshold)
 
     def _configure_accumulation(self) -> None:
@@ -316,7 +321,9 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
 
     def _step_plan(self) -> StepPlan:
         if self._plan is None or self._plan_generation != self._host.generation:
-            self._plan = build_step_plan(self._host, self._run)
+            if self._base_plan is None or self._plan_generation != self._host.generation:
+                self._base_plan = build_step_plan(self._host, self._run)
+            self._plan = self._base_plan
             if self._preemption is not None:  # count optimizer steps: a preemption stops only after one
                 self._plan = attrs.evolve(self._plan, optimizer_step=self._preemption.wrap_optimizer_step(
                     self._plan.optimizer_step))
@@ -337,6 +344,13 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
         return set().union(*(_live_param_ids(prepared) for prepared in self._models))
 
     def _replan(self) -> None:
+        """Build the step plan anew (the plugins' part included): after a change the plugins read."""
+        self._base_plan = None
+        self._rewrap_plan()
+
+    def _rewrap_plan(self) -> None:
+        """Re-apply the accelerator's own wrappers to the plan the plugins built: a check that has
+        looked leaves the plan this way, keeping the plan's stateful parts (its GradScaler)."""
         self._plan = None
         self._step_plan()
 
