@@ -37,14 +37,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import math
 import os
-import statistics
 import sys
 import time
 
 import torch
 from _report import emit
+from _stats import combine_trials, interleaved_rates
 from bench_mesh import report
 
 GOAL = 0.98
@@ -183,18 +182,8 @@ def task(ctx, config: dict, sizes: tuple[int, int], batch: int, rounds: int, ste
         order = [side for index in range(copies) for side in (sides if index % 2 == 0 else sides[::-1])]
         steppers = [build(side, copy.deepcopy(base)) for side in order]
         del base
-        for _, step in steppers:  # warm up
-            _rate(step, steps, use_cuda)
-        rates: dict[str, list[float]] = {"hand": [], "rig": []}
-        for index in range(rounds):
-            this_round: dict[str, list[float]] = {"hand": [], "rig": []}
-            for side, step in (steppers if index % 2 == 0 else steppers[::-1]):
-                this_round[side].append(_rate(step, steps, use_cuda))
-            for side, values in this_round.items():
-                rates[side].append(statistics.fmean(values))
-        ratios = [r / h for r, h in zip(rates["rig"], rates["hand"])]
-        return {"hand": statistics.median(rates["hand"]), "rig": statistics.median(rates["rig"]),
-                "ratio": statistics.median(ratios), "ratios": ratios, "flops": flops, "params": params}
+        measured = interleaved_rates(steppers, rounds, lambda step: _rate(step, steps, use_cuda))
+        return {**measured, "flops": flops, "params": params}
 
 
 def measure(config: dict, sizes: tuple[int, int], batch: int, rounds: int, steps: int, use_cuda: bool, trials: int,
@@ -209,14 +198,7 @@ def measure(config: dict, sizes: tuple[int, int], batch: int, rounds: int, steps
         with WorkerPool(world_size=world, backend="nccl" if use_cuda else "gloo", collective_timeout=1800) as pool:
             runs.append(pool.run(task, config, sizes, batch, rounds, steps, use_cuda, trial % 2 == 1, copies, control,
                                  bf16, timeout=5400))
-    combined = []
-    for per_trial in zip(*runs):
-        combined.append({**per_trial[0], "hand": statistics.fmean(r["hand"] for r in per_trial),
-                         "rig": statistics.fmean(r["rig"] for r in per_trial),
-                         "ratio": math.exp(statistics.fmean(math.log(r["ratio"]) for r in per_trial)),
-                         "trials": [r["ratio"] for r in per_trial],
-                         "ratios": [x for r in per_trial for x in r["ratios"]]})
-    return combined
+    return combine_trials(runs)
 
 
 def _wanted(only: str) -> set[str]:
