@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import io
 import os
-import pty
-import select
 import subprocess
 import sys
 import textwrap
@@ -17,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from torchrig.launch.tail import PrefixedStream, _Destination
+from torchrig.testing.terminal import run_on_a_terminal, screen
 
 TIMEOUT = 180  # seconds before a test gives up (not a measurement)
 STEPS = 50
@@ -40,56 +39,15 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _on_a_terminal(command: list[str], env: dict[str, str], guard) -> tuple[int, str]:
-    """Run ``command`` with a pseudo-terminal as stdout and stderr; its exit code and what it wrote."""
-    controller, terminal = pty.openpty()
-    proc = subprocess.Popen(command, stdin=terminal, stdout=terminal, stderr=terminal, env=env, close_fds=True,
-                            start_new_session=True)
-    guard.track(proc)
-    os.close(terminal)
-    received = bytearray()
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([controller], [], [], 0.2)
-        if ready:
-            try:
-                data = os.read(controller, 65536)
-            except OSError:  # every process holding the terminal has ended
-                break
-            if not data:
-                break
-            received += data
-        elif proc.poll() is not None:
-            break
-    os.close(controller)
-    return proc.wait(timeout=TIMEOUT), received.decode(errors="replace")
-
-
-def _screen(raw: str) -> list[str]:
-    """The lines a terminal shows after ``raw`` (carriage return, line feed, overwrite)."""
-    lines: list[list[str]] = [[]]
-    column = 0
-    for char in raw:
-        if char == "\r":
-            column = 0
-        elif char == "\n":
-            lines.append([])
-            column = 0
-        else:
-            line = lines[-1]
-            line[column:column + 1] = [char]
-            column += 1
-    return ["".join(line) for line in lines if line]
-
-
 @pytest.mark.multiprocess
 def test_two_ranks_drawing_bars_do_not_flood_the_terminal(tmp_path, process_guard):
     script = tmp_path / "bars.py"
     script.write_text(BARS_SCRIPT)
-    code, raw = _on_a_terminal([sys.executable, "-m", "torchrig", "launch", "--cpu", "--num_processes", "2",
-                                "--log_dir", str(tmp_path / "logs"), str(script)], _env(tmp_path), process_guard)
+    code, raw = run_on_a_terminal([sys.executable, "-m", "torchrig", "launch", "--cpu", "--num_processes", "2",
+                                   "--log_dir", str(tmp_path / "logs"), str(script)], _env(tmp_path), process_guard,
+                                  TIMEOUT)
     assert code == 0, raw
-    shown = _screen(raw)
+    shown = screen(raw)
     bars = [line for line in shown if " epoch:" in line]
     # rank 0's bar redraws in place (a line more when rank 1's line cuts in); rank 1's appears once, final
     assert len(bars) <= 4, "\n".join(shown)

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import io
 import os
-import pty
-import select
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 from torchrig.launch.tail import PrefixedStream, _Destination
+from torchrig.testing.terminal import run_on_a_terminal, screen
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,49 +47,9 @@ def _command(tmp_path: Path) -> list[str]:
             "--log_dir", str(tmp_path / "logs"), str(script)]
 
 
-def screen(raw: str) -> list[str]:
-    """The lines a terminal shows after ``raw`` (carriage return, line feed, overwrite)."""
-    lines: list[list[str]] = [[]]
-    column = 0
-    for char in raw:
-        if char == "\r":
-            column = 0
-        elif char == "\n":
-            lines.append([])
-            column = 0
-        else:
-            line = lines[-1]
-            if column < len(line):
-                line[column] = char
-            else:
-                line.append(char)
-            column += 1
-    return ["".join(line) for line in lines if line]
-
-
 def test_a_progress_bar_redraws_in_place_on_a_terminal(tmp_path, process_guard):
-    controller, terminal = pty.openpty()
-    proc = subprocess.Popen(_command(tmp_path), stdin=terminal, stdout=terminal, stderr=terminal, env=_env(tmp_path),
-                            close_fds=True, start_new_session=True)
-    process_guard.track(proc)
-    os.close(terminal)
-    received = bytearray()
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([controller], [], [], 0.2)
-        if ready:
-            try:
-                data = os.read(controller, 65536)
-            except OSError:  # the terminal closed: every process holding it has ended
-                break
-            if not data:
-                break
-            received += data
-        elif proc.poll() is not None:
-            break
-    os.close(controller)
-    assert proc.wait(timeout=TIMEOUT) == 0, received.decode(errors="replace")
-    raw = received.decode(errors="replace")
+    code, raw = run_on_a_terminal(_command(tmp_path), _env(tmp_path), process_guard, TIMEOUT)
+    assert code == 0, raw
     shown = screen(raw)
     bars = [line for line in shown if "epoch 0:" in line]
     assert len(bars) == 1, shown  # redrawn in place: one visible line
