@@ -12,7 +12,8 @@ import sys
 
 from torchrig.config.compat import ACCELERATE_KEYS
 from torchrig.config.flags import collect_flags
-from torchrig.config.resolve import Schema, env_name
+from torchrig.config.readers import env_name
+from torchrig.config.resolve import Schema
 from torchrig.plugin_host import PluginHost
 
 

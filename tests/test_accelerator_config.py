@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 from torchrig import Accelerator, DataLoaderConfiguration, GradScalerKwargs, ProjectConfiguration
-from torchrig.config.resolve import ConfigOverrideWarning, encode_launch_overrides
+from torchrig.config.readers import encode_launch_overrides
+from torchrig.config.resolve import ConfigOverrideWarning
 from torchrig.errors import ConfigError
 
 SCRIPT = textwrap.dedent(

@@ -11,13 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torchrig import DataLoaderConfiguration, GradScalerKwargs, InitProcessGroupKwargs, ProjectConfiguration
 from torchrig.config.compat import ACCELERATE_KEYS
-from torchrig.config.resolve import (
-    ConfigOverrideWarning,
-    Layer,
-    encode_launch_overrides,
-    env_name,
-    resolve_config,
-)
+from torchrig.config.readers import encode_launch_overrides, env_name
+from torchrig.config.resolve import ConfigOverrideWarning, Layer, resolve_config
 from torchrig.errors import ConfigError
 from torchrig.testing import make_host
 

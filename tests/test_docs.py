@@ -5,7 +5,8 @@ from __future__ import annotations
 import pathlib
 
 from torchrig.config.compat import ACCELERATE_KEYS
-from torchrig.config.resolve import Schema, env_name
+from torchrig.config.readers import env_name
+from torchrig.config.resolve import Schema
 from torchrig.testing import make_host
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"

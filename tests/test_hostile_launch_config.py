@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from torchrig import Accelerator, Tracker
 from torchrig.config.loader import load_file
-from torchrig.config.resolve import ConfigOverrideWarning, encode_launch_overrides, resolve_config
+from torchrig.config.readers import encode_launch_overrides
+from torchrig.config.resolve import ConfigOverrideWarning, resolve_config
 from torchrig.errors import ConfigError
 from torchrig.launch import summary as launch_summary
 from torchrig.testing import make_host

@@ -21,7 +21,8 @@ from typing import Any, TextIO
 
 from torchrig.config.default_file import detect_defaults, write_config_file
 from torchrig.config.flags import add_config_flags, collect_flags, flag_values
-from torchrig.config.resolve import CONFIG_FILE_ENV, ResolvedConfig, Schema, default_config_path, resolve_config
+from torchrig.config.readers import CONFIG_FILE_ENV
+from torchrig.config.resolve import ResolvedConfig, Schema, default_config_path, resolve_config
 from torchrig.errors import ConfigError
 from torchrig.plugin_host import PluginHost, PluginStatus
 

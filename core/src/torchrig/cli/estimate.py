@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from torchrig.config.flags import add_config_flags, collect_flags, flag_values
-from torchrig.config.resolve import CONFIG_FILE_ENV, ResolvedConfig, Schema, resolve_config
+from torchrig.config.readers import CONFIG_FILE_ENV
+from torchrig.config.resolve import ResolvedConfig, Schema, resolve_config
 from torchrig.errors import TorchrigError
 from torchrig.launch.cli import work_out_layout
 from torchrig.memory import OPTIMIZERS, MemoryEstimate, MemoryRequest, ModelFootprint, format_bytes, format_estimate

@@ -34,14 +34,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn, TextIO
 
 from torchrig.config.flags import FlagSpec, add_config_flags, collect_flags, flag_values
+from torchrig.config.readers import CONFIG_FILE_ENV, LAUNCH_OVERRIDES_ENV, encode_launch_overrides
 from torchrig.config.resolve import (
-    CONFIG_FILE_ENV,
-    LAUNCH_OVERRIDES_ENV,
     Layer,
     ResolvedConfig,
     Schema,
     default_config_path,
-    encode_launch_overrides,
     machine_default_file,
     resolve_config,
 )
