@@ -174,7 +174,7 @@ class LaunchPlan:
     num_nodes: int = 1
     node_rank: int = 0
     #: ``c10d``, ``static``, or ``local``: one machine, no rendezvous round (the launcher's
-    #: default there; see ``torchrig.launch.elastic.SingleNodeRendezvous``).
+    #: default there; see ``torchrig.launch.rendezvous.SingleNodeRendezvous``).
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str = "127.0.0.1:0"
     run_id: str = "torchrig"

@@ -428,7 +428,7 @@ def work_out_layout(config: ResolvedConfig) -> Layout:
         raise ConfigError(f"num_processes {total} ({source}) is not a multiple of num_machines {machines}: "
                           f"each machine runs num_processes / num_machines workers")
     # One machine and no rendezvous asked for: nothing to wait for, so no rendezvous round at all
-    # ("local": torchrig.launch.elastic.SingleNodeRendezvous); otherwise c10d unless configured.
+    # ("local": torchrig.launch.rendezvous.SingleNodeRendezvous); otherwise c10d unless configured.
     local = machines == 1 and not config.get("rdzv_backend") and not config.get("rdzv_endpoint")
     backend = "local" if local else (config.get("rdzv_backend") or "c10d")
     ip = config.get("main_process_ip")

@@ -31,23 +31,22 @@ across machines (one machine needs none: :class:`SingleNodeRendezvous`), and add
 * **Quiet.** Elastic's own log lines (``Sending process ... closing signal``) are hidden unless
   ``TORCHRIG_LOG_LEVEL`` is DEBUG or INFO; the summary says what happened.
 
+The agent and its launch live here; the rendezvous handlers in :mod:`torchrig.launch.rendezvous`,
+the bookkeeping of each attempt (pids, exit times, rank records) in :mod:`torchrig.launch.observer`.
+
 Imports torch: only called from the ``torchrig_launch`` hook.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import shutil
 import signal
-import socket
 import string
 import sys
 import tempfile
-import threading
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,18 +54,12 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException, Std
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousError,
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousStoreInfo,
-)
 
 from torchrig.launch import held_signals
 from torchrig.launch import status as _status
 from torchrig.launch import summary as _summary
+from torchrig.launch.observer import Observer
+from torchrig.launch.rendezvous import rendezvous_handler
 from torchrig.launch.tail import LogRelay
 from torchrig.types import LaunchPlan
 
@@ -76,110 +69,6 @@ _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Passed on to every rank, nothing torn down: a scheduler's warning (Slurm ``--signal=USR1@T``)
 #: that the ranks turn into a preemption checkpoint (:mod:`torchrig.preemption`).
 FORWARDED_SIGNAL = signal.SIGUSR1
-
-
-def free_port(host: str = "") -> int:
-    """A port nobody listens on right now (bind to 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-class SingleNodeRendezvous(RendezvousHandler):
-    """One machine: no peer to wait for, so no c10d rendezvous round (whose join path sleeps a
-    random fraction of a second). Every attempt gets a new TCPStore, hosted by the agent on a
-    fresh loopback port before any worker starts: the workers connect to a store that is already
-    listening (no connect retries, as with torchrun), and a restart never meets the keys of the
-    attempt before it (the reason torchrig does not share one store across attempts)."""
-
-    def __init__(self, run_id: str, first_port: int = 0, timeout_s: float = 900.0) -> None:
-        self.run_id = run_id
-        self.first_port = first_port  # main_process_port, when given: the first attempt's master port
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._store: Any = None
-        self._attempt = 0
-        self._closed = False
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        from torch.distributed import PrefixStore, TCPStore
-
-        self._attempt += 1
-        port = self.first_port if self._attempt == 1 else 0
-        self._store = TCPStore("127.0.0.1", port, None, True, self.timeout, wait_for_workers=False,
-                               multi_tenant=True)
-        store = PrefixStore(self.run_id, self._store)
-        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo("127.0.0.1", int(self._store.port)))
-
-    def get_backend(self) -> str:
-        return "torchrig-single-node"
-
-    @property
-    def use_agent_store(self) -> bool:
-        return True  # the workers' process group uses this attempt's store (they connect as clients)
-
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def set_closed(self) -> None:
-        self._closed = True
-
-    def num_nodes_waiting(self) -> int:
-        return 0
-
-    def get_run_id(self) -> str:
-        return self.run_id
-
-    def shutdown(self) -> bool:
-        self._store = None
-        return True
-
-
-class MachineRankRendezvous(RendezvousHandler):
-    """A c10d rendezvous whose node ranks are the machines' ``--machine_rank`` and whose
-    master port is new for every round (so every restart gets a fresh one)."""
-
-    def __init__(self, inner: RendezvousHandler, machine_rank: int, master_addr: str) -> None:
-        self.inner = inner
-        self.machine_rank = machine_rank
-        self.master_addr = master_addr
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        info = self.inner.next_rendezvous()
-        store, size = info.store, info.world_size
-        store.set(f"torchrig/machine_rank/{info.rank}", str(self.machine_rank))
-        claimed = sorted(int(store.get(f"torchrig/machine_rank/{i}").decode()) for i in range(size))
-        if claimed != list(range(size)):
-            raise RendezvousError(
-                f"the {size} machines joined with machine ranks {claimed}; each of 0..{size - 1} must be used "
-                "exactly once (check --machine_rank on every machine)")
-        if self.machine_rank == 0:
-            store.set("torchrig/master", f"{self.master_addr}:{free_port()}")
-        addr, _, port = store.get("torchrig/master").decode().rpartition(":")
-        return RendezvousInfo(store, self.machine_rank, size, RendezvousStoreInfo(addr, int(port)))
-
-    # everything else is the c10d handler's
-    def get_backend(self) -> str:
-        return self.inner.get_backend()
-
-    @property
-    def use_agent_store(self) -> bool:
-        return self.inner.use_agent_store
-
-    def is_closed(self) -> bool:
-        return self.inner.is_closed()
-
-    def set_closed(self) -> None:
-        self.inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        return self.inner.num_nodes_waiting()
-
-    def get_run_id(self) -> str:
-        return self.inner.get_run_id()
-
-    def shutdown(self) -> bool:
-        return self.inner.shutdown()
 
 
 class TorchrigLogsSpecs(LogsSpecs):
@@ -225,167 +114,6 @@ class TorchrigLogsSpecs(LogsSpecs):
         dest.filtered_stdout = os.path.join(directory, "filtered_stdout.log")
         dest.filtered_stderr = os.path.join(directory, "filtered_stderr.log")
         return dest
-
-
-class Observer:
-    """What the launcher saw of each attempt: pids, exact exit times, when teardown began."""
-
-    def __init__(self, plan: LaunchPlan, log_dir: str) -> None:
-        self.plan, self.log_dir = plan, log_dir
-        self.attempts: list[dict[str, Any]] = []
-        # Re-entrant: forward() runs in a signal handler, on the main thread, which may hold it already.
-        self.lock = threading.RLock()
-        #: Signals to pass on that arrived while no rank was running (delivered by :meth:`started`).
-        self.pending: list[int] = []
-        self._reset()
-
-    def _reset(self) -> None:
-        self.attempt: int | None = None
-        self.ranks: dict[int, int] = {}  # local rank -> global rank
-        self.pids: dict[int, int] = {}
-        self.exits: dict[int, tuple[float, int | None, int | None]] = {}  # local rank -> (time, code, signal)
-        self.started_at = 0.0
-        self.teardown_at: float | None = None
-        self.teardown_signal: str | None = None
-        self.ended = True
-
-    def before_start(self, attempt: int, ranks: Mapping[int, int]) -> None:
-        """Forget the previous attempt's status files so a rank that never starts is not
-        mistaken for one that did."""
-        for rank in ranks.values():
-            try:
-                os.unlink(_status.rank_status_path(self.log_dir, rank))
-            except OSError:
-                pass
-
-    def started(self, attempt: int, ranks: Mapping[int, int], pids: Mapping[int, int]) -> None:
-        with self.lock:
-            self._reset()
-            self.attempt, self.ranks, self.pids = attempt, dict(ranks), dict(pids)
-            self.started_at, self.ended = time.time(), False
-            pending, self.pending = self.pending, []
-        for signum in pending:
-            self.forward(signum)
-        for local_rank, pid in pids.items():
-            threading.Thread(target=self._wait_exit, args=(local_rank, pid), daemon=True,
-                             name=f"torchrig-exit-{local_rank}").start()
-
-    def _wait_exit(self, local_rank: int, pid: int) -> None:
-        """Block until the worker exits (without reaping it: elastic's Popen does) and note the time."""
-        try:
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except (ChildProcessError, OSError):
-            return
-        now = time.time()
-        if info is None:
-            return
-        code, sig = (info.si_status, None) if info.si_code == os.CLD_EXITED else (None, info.si_status)
-        with self.lock:
-            if self.pids.get(local_rank) == pid:
-                self.exits.setdefault(local_rank, (now, code, sig))
-
-    def forward(self, signum: int) -> None:
-        """Send ``signum`` to each rank's supervisor, which passes it on to the rank (without a
-        supervisor the rank is this pid) — not to the process group: the processes a rank started
-        (DataLoader workers) would die of it."""
-        with self.lock:
-            pids = list(self.pids.values()) if not self.ended else []
-            if not pids:
-                self.pending.append(signum)  # no rank yet: passed on when the next attempt starts
-        for pid in pids:
-            try:
-                os.kill(pid, signum)
-            except OSError:
-                pass
-
-    def teardown(self, death_sig: Any) -> None:
-        with self.lock:
-            if self.teardown_at is None and not self.ended:
-                self.teardown_at = time.time()
-                self.teardown_signal = signal.Signals(death_sig or signal.SIGTERM).name
-
-    def end(self, failures: Mapping[int, Any] | None = None, *, launcher_signal: str | None = None) -> dict[str, Any] | None:
-        """Close the current attempt: merge status files and observations into rank records."""
-        with self.lock:
-            if self.ended or self.attempt is None:
-                return None
-            self.ended = True
-        time.sleep(0.01)  # let the exit threads of processes that just ended record their time
-        records = [self._record(lr, gr, (failures or {}).get(gr), failures is not None)
-                   for lr, gr in sorted(self.ranks.items())]
-        verdict = _summary.analyze(records, launcher_signal=launcher_signal)
-        attempt = {"attempt": self.attempt, "started_at": self.started_at, "ended_at": time.time(),
-                   "teardown_at": self.teardown_at, "teardown_signal": self.teardown_signal,
-                   "verdict": verdict, "ranks": records}
-        self.attempts.append(attempt)
-        return attempt
-
-    def _record(self, local_rank: int, rank: int, failure: Any, failures_known: bool) -> dict[str, Any]:
-        status = _status.read_json(_status.rank_status_path(self.log_dir, rank)) or {}
-        if status.get("attempt") not in (None, self.attempt):
-            status = {}
-        seen = self.exits.get(local_rank)
-        record: dict[str, Any] = {
-            "rank": rank, "local_rank": local_rank, "node_rank": self.plan.node_rank, "pid": self.pids.get(local_rank),
-            "attempt": self.attempt, "state": status.get("state") or _status.RUNNING,
-            "started_at": status.get("started_at"), "ended_at": status.get("ended_at"),
-            "exit_code": status.get("exit_code"), "signal": status.get("signal"), "error": status.get("error"),
-            "traceback": status.get("traceback"), "stderr_tail": status.get("stderr_tail"),
-            "warnings": status.get("warnings") or [],
-            "logs": self._logs(rank),
-        }
-        for extra in ("trackers", "last_checkpoint", "preempted", "waiting"):  # run_status.record(...) in the rank
-            if status.get(extra) is not None:
-                record[extra] = status[extra]
-        if record["state"] == _status.RUNNING:  # the wrapper never wrote its end: killed, or no wrapper
-            self._from_exit(record, seen, failure, failures_known)
-        elif record["state"] == _status.FAILED and seen and record["ended_at"] is None:
-            record["ended_at"] = seen[0]
-        return record
-
-    def _from_exit(self, record: dict[str, Any], seen: tuple[float, int | None, int | None] | None, failure: Any,
-                   failures_known: bool) -> None:
-        """A rank's fate from its exit status alone (it was killed, or runs without the wrapper)."""
-        sig = None
-        if seen is not None:
-            when, code, sig = seen[0], seen[1], seen[2]
-        elif failure is not None:
-            when, code = float(failure.timestamp), failure.exitcode
-            if code < 0:
-                code, sig = None, -code
-        else:  # elastic saw it exit 0 (it reports every other exit as a failure) or never saw it end
-            when, code = time.time(), 0 if failures_known else None
-        if sig:
-            code = 128 + sig
-            record["signal"] = signal.Signals(sig).name
-        record.update(ended_at=when, exit_code=code)
-        if code == 0:
-            record["state"] = _status.FINISHED
-        elif code is None or (self.teardown_at is not None and when >= self.teardown_at):
-            record["state"] = _status.TERMINATED
-        else:
-            record["state"] = _status.FAILED
-            record["error"] = (f"killed by {record['signal']} (no Python traceback: the process was killed)"
-                               if sig else f"exited with code {code}")
-            if not record["stderr_tail"] and record["logs"].get("stderr"):
-                record["stderr_tail"] = _status.read_tail(record["logs"]["stderr"]) or None
-            if not record["traceback"] and failure is not None:
-                record["traceback"] = _error_file_callstack(failure)
-
-    def _logs(self, rank: int) -> dict[str, str]:
-        directory = os.path.join(self.log_dir, f"attempt-{self.attempt}")
-        logs = {}
-        for stream, bit in (("stdout", Std.OUT), ("stderr", Std.ERR)):
-            if self.plan.tee & bit:
-                logs[stream] = os.path.join(directory, f"rank-{rank}.{stream}.log")
-        return logs
-
-
-def _error_file_callstack(failure: Any) -> str | None:
-    message = (getattr(failure, "error_file_data", None) or {}).get("message")
-    if isinstance(message, dict):
-        return _status.tail(message.get("extraInfo", {}).get("py_callstack") or "") or None
-    return None
 
 
 class TorchrigAgent(LocalElasticAgent):
@@ -466,34 +194,6 @@ def _quiet_elastic_logging() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _rendezvous(plan: LaunchPlan) -> tuple[RendezvousHandler, str | None, int | None]:
-    backend = plan.rdzv_backend or "c10d"
-    single = plan.num_nodes == 1
-    if backend == "local":
-        port = int(plan.rdzv_endpoint.rpartition(":")[2] or 0)
-        return SingleNodeRendezvous(f"{plan.run_id}-{uuid.uuid4().hex[:8]}", first_port=port), None, None
-    endpoint = plan.rdzv_endpoint
-    host = endpoint.rpartition(":")[0] or "127.0.0.1"
-    master_addr = plan.master_addr or ("127.0.0.1" if single else host)
-    configs: dict[str, Any] = dict(plan.rdzv_configs)
-    spec_addr = spec_port = None
-    if backend == "c10d":
-        configs.setdefault("is_host", plan.node_rank == 0)
-    elif backend == "static":
-        configs.setdefault("rank", plan.node_rank)
-        spec_addr, spec_port = host, int(endpoint.rpartition(":")[2])
-    params = RendezvousParameters(
-        backend=backend, endpoint=endpoint,
-        run_id=plan.run_id if not single else f"{plan.run_id}-{uuid.uuid4().hex[:8]}",
-        min_nodes=plan.num_nodes, max_nodes=plan.num_nodes,
-        local_addr="127.0.0.1" if single else (master_addr if plan.node_rank == 0 else None), **configs,
-    )
-    handler = rdzv_registry.get_rendezvous_handler(params)
-    if backend == "c10d":
-        handler = MachineRankRendezvous(handler, plan.node_rank, master_addr)
-    return handler, spec_addr, spec_port
-
-
 def launch_with_elastic(plan: LaunchPlan) -> int:
     """Run ``plan.nproc_per_node`` workers of ``plan.command`` on this node; returns the exit
     code: 0, 1 (a worker failed, or the launch did), or 128 + a signal the launcher received."""
@@ -516,7 +216,7 @@ def launch_with_elastic(plan: LaunchPlan) -> int:
     result: RunResult | None = None
     try:
         _pass_on_held_signals(observer)  # arrived while the launcher was starting
-        handler, spec_addr, spec_port = _rendezvous(plan)
+        handler, spec_addr, spec_port = rendezvous_handler(plan)
         entrypoint, *args = plan.command
         spec = WorkerSpec(
             role="worker", local_world_size=plan.nproc_per_node, entrypoint=entrypoint, args=tuple(args),
@@ -588,5 +288,4 @@ def _finish(plan: LaunchPlan, log_dir: str, observer: Observer, started_at: floa
     return code
 
 
-__all__ = ["LOG_LINE_PREFIX", "MachineRankRendezvous", "TorchrigAgent", "TorchrigLogsSpecs", "free_port",
-           "launch_with_elastic"]
+__all__ = ["LOG_LINE_PREFIX", "TorchrigAgent", "TorchrigLogsSpecs", "launch_with_elastic"]

@@ -1,0 +1,166 @@
+"""The rendezvous of a launch: how the nodes of one attempt meet and agree on a master address.
+
+Two handlers around torch elastic's: :class:`SingleNodeRendezvous` (one machine, no round to
+wait for, a fresh store per attempt) and :class:`MachineRankRendezvous` (c10d, with node rank =
+``--machine_rank`` and a fresh master port per round). Separate from the agent
+(:mod:`torchrig.launch.elastic`) because which peers meet where is a question of its own, and the
+reason restarts get a fresh port lives here (see that module's docstring for the measurement).
+
+Imports torch: only called from the ``torchrig_launch`` hook.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import uuid
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
+
+from torchrig.types import LaunchPlan
+
+
+def free_port(host: str = "") -> int:
+    """A port nobody listens on right now (bind to 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class SingleNodeRendezvous(RendezvousHandler):
+    """One machine: no peer to wait for, so no c10d rendezvous round (whose join path sleeps a
+    random fraction of a second). Every attempt gets a new TCPStore, hosted by the agent on a
+    fresh loopback port before any worker starts: the workers connect to a store that is already
+    listening (no connect retries, as with torchrun), and a restart never meets the keys of the
+    attempt before it (the reason torchrig does not share one store across attempts)."""
+
+    def __init__(self, run_id: str, first_port: int = 0, timeout_s: float = 900.0) -> None:
+        self.run_id = run_id
+        self.first_port = first_port  # main_process_port, when given: the first attempt's master port
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._store: Any = None
+        self._attempt = 0
+        self._closed = False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        from torch.distributed import PrefixStore, TCPStore
+
+        self._attempt += 1
+        port = self.first_port if self._attempt == 1 else 0
+        self._store = TCPStore("127.0.0.1", port, None, True, self.timeout, wait_for_workers=False,
+                               multi_tenant=True)
+        store = PrefixStore(self.run_id, self._store)
+        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo("127.0.0.1", int(self._store.port)))
+
+    def get_backend(self) -> str:
+        return "torchrig-single-node"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the workers' process group uses this attempt's store (they connect as clients)
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def shutdown(self) -> bool:
+        self._store = None
+        return True
+
+
+class MachineRankRendezvous(RendezvousHandler):
+    """A c10d rendezvous whose node ranks are the machines' ``--machine_rank`` and whose
+    master port is new for every round (so every restart gets a fresh one)."""
+
+    def __init__(self, inner: RendezvousHandler, machine_rank: int, master_addr: str) -> None:
+        self.inner = inner
+        self.machine_rank = machine_rank
+        self.master_addr = master_addr
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        info = self.inner.next_rendezvous()
+        store, size = info.store, info.world_size
+        store.set(f"torchrig/machine_rank/{info.rank}", str(self.machine_rank))
+        claimed = sorted(int(store.get(f"torchrig/machine_rank/{i}").decode()) for i in range(size))
+        if claimed != list(range(size)):
+            raise RendezvousError(
+                f"the {size} machines joined with machine ranks {claimed}; each of 0..{size - 1} must be used "
+                "exactly once (check --machine_rank on every machine)")
+        if self.machine_rank == 0:
+            store.set("torchrig/master", f"{self.master_addr}:{free_port()}")
+        addr, _, port = store.get("torchrig/master").decode().rpartition(":")
+        return RendezvousInfo(store, self.machine_rank, size, RendezvousStoreInfo(addr, int(port)))
+
+    # everything else is the c10d handler's
+    def get_backend(self) -> str:
+        return self.inner.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self.inner.use_agent_store
+
+    def is_closed(self) -> bool:
+        return self.inner.is_closed()
+
+    def set_closed(self) -> None:
+        self.inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self.inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self.inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self.inner.shutdown()
+
+
+def rendezvous_handler(plan: LaunchPlan) -> tuple[RendezvousHandler, str | None, int | None]:
+    """This node's rendezvous handler for ``plan``, and the master address and port elastic's
+    ``WorkerSpec`` needs (only a static rendezvous names them up front)."""
+    backend = plan.rdzv_backend or "c10d"
+    single = plan.num_nodes == 1
+    if backend == "local":
+        port = int(plan.rdzv_endpoint.rpartition(":")[2] or 0)
+        return SingleNodeRendezvous(f"{plan.run_id}-{uuid.uuid4().hex[:8]}", first_port=port), None, None
+    endpoint = plan.rdzv_endpoint
+    host = endpoint.rpartition(":")[0] or "127.0.0.1"
+    master_addr = plan.master_addr or ("127.0.0.1" if single else host)
+    configs: dict[str, Any] = dict(plan.rdzv_configs)
+    spec_addr = spec_port = None
+    if backend == "c10d":
+        configs.setdefault("is_host", plan.node_rank == 0)
+    elif backend == "static":
+        configs.setdefault("rank", plan.node_rank)
+        spec_addr, spec_port = host, int(endpoint.rpartition(":")[2])
+    params = RendezvousParameters(
+        backend=backend, endpoint=endpoint,
+        run_id=plan.run_id if not single else f"{plan.run_id}-{uuid.uuid4().hex[:8]}",
+        min_nodes=plan.num_nodes, max_nodes=plan.num_nodes,
+        local_addr="127.0.0.1" if single else (master_addr if plan.node_rank == 0 else None), **configs,
+    )
+    handler = rdzv_registry.get_rendezvous_handler(params)
+    if backend == "c10d":
+        handler = MachineRankRendezvous(handler, plan.node_rank, master_addr)
+    return handler, spec_addr, spec_port
+
+
+
+__all__ = ["MachineRankRendezvous", "SingleNodeRendezvous", "free_port", "rendezvous_handler"]
