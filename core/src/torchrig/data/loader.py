@@ -20,14 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 
+from torchrig.data.construction import check_dataloader, read_user_dataloader
 from torchrig.data.dispatch import dispatched
 from torchrig.data.passes import EPOCH_START, Pass, PassEnd, Position
 from torchrig.data.plan import (
-    LOADER_KWARGS,
     BatchMeta,
-    Layout,
     PassPlan,
     PlanBatchSampler,
     ShardedIterable,
@@ -38,7 +37,6 @@ from torchrig.data.plan import (
 from torchrig.data.seeding import (
     STATE_VERSION,
     SeedableRandomSampler,
-    derive_seed,
     epoch_seed,
     lent_generator,
     worker_seed,
@@ -83,10 +81,7 @@ class PreparedDataLoader:
         is_source: bool | None = None,
         gradient_state: GradientState | None = None,
     ) -> None:
-        if not isinstance(dataloader, DataLoader):
-            raise TypeError(f"prepare(): expected a torch.utils.data.DataLoader, got {type(dataloader).__name__}")
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is not a valid rank of {num_replicas} data-parallel processes")
+        check_dataloader(dataloader, num_replicas, rank)
         self.base_dataloader = dataloader
         self.dataset = dataloader.dataset
         self.device = torch.device(device) if device is not None else None
@@ -100,91 +95,25 @@ class PreparedDataLoader:
         #: The user's DataLoader's ``batch_size`` (per rank unless ``split_batches``).
         self.batch_size = dataloader.batch_size
 
-        world = num_replicas
-        iterable = isinstance(self.dataset, IterableDataset)
-        user_batch_sampler = dataloader.batch_sampler
+        reading = read_user_dataloader(
+            dataloader, num_replicas=num_replicas, rank=rank, split_batches=split_batches, even_batches=even_batches,
+            dispatch_batches=dispatch_batches, seed=seed, use_configured_sampler=use_configured_sampler,
+            collectives=collectives, is_source=is_source,
+        )
         #: False for ``batch_size=None`` (every sample is a unit, converted, not collated).
-        self._auto_collation = user_batch_sampler is not None
-        sampler = None if iterable else dataloader.sampler
-        batch_size = dataloader.batch_size
-        drop_last = dataloader.drop_last
-        custom_batches: Any = None
-        if not iterable and user_batch_sampler is not None and batch_size is None:
-            if type(user_batch_sampler) is BatchSampler:  # an explicit torch BatchSampler: unpack it
-                sampler, batch_size = user_batch_sampler.sampler, user_batch_sampler.batch_size
-                drop_last = user_batch_sampler.drop_last
-            else:
-                custom_batches = user_batch_sampler
-                drop_last = bool(getattr(user_batch_sampler, "drop_last", False))
-        self.drop_last = drop_last
-        self._kind = "iterable" if iterable else ("batches" if custom_batches is not None else "index")
-        self._custom_batches = custom_batches
-
-        per_rank: int | None
-        if self._kind == "batches":
-            per_rank = None
-        else:
-            unit = batch_size if self._auto_collation else 1
-            assert unit is not None
-            if split_batches:
-                if not self._auto_collation:
-                    raise ValueError("split_batches=True needs a DataLoader with a batch size (not batch_size=None)")
-                if unit % world:
-                    raise ValueError(
-                        f"split_batches=True: the batch size ({unit}) must be a multiple of the number of "
-                        f"data-parallel processes ({world}) to split every batch into {world} equal parts"
-                    )
-                per_rank = unit // world
-            else:
-                per_rank = unit
-        # Padding only ever serves to keep several ranks in step: one process never repeats a sample.
-        self._layout = Layout(world, rank, per_rank, split_batches, even_batches and world > 1, drop_last)
-
-        # Seed: config > the user's generator > one draw from the global RNG (module docstring).
+        self._auto_collation = reading.auto_collation
+        self.drop_last = reading.drop_last
+        self._kind = reading.kind
+        self._custom_batches = reading.custom_batches
+        self._layout = reading.layout
         #: Where the seed came from: "config" (data_seed), "generator" (the user's) or "global_rng" (drawn).
-        self.seed_source = "config"
-        if seed is None:
-            user_generator = dataloader.generator or getattr(sampler, "generator", None)
-            if user_generator is not None:
-                seed = int(user_generator.initial_seed())
-                self.seed_source = "generator"
-            else:
-                self.seed_source = "global_rng"
-                # Broadcast even when world == 1: ranks outside data parallelism (tensor/pipeline
-                # parallel peers) read the same data and must shuffle it the same way.
-                seed = derive_seed(collectives)
-        self._seed = int(seed)
-
-        self._sampler_kind = "none"
-        if self._kind == "index":
-            if type(sampler) is RandomSampler and not use_configured_sampler:
-                sampler = SeedableRandomSampler(
-                    self.dataset, seed=self._seed, replacement=sampler.replacement, num_samples=sampler._num_samples
-                )
-                self._sampler_kind = "seedable"
-            elif type(sampler) is SequentialSampler:
-                self._sampler_kind = "sequential"
-            else:
-                self._sampler_kind = "custom"
-        self.sampler = sampler
-
-        if dispatch_batches is None:
-            dispatch_batches = iterable
-        self.dispatch_batches = bool(dispatch_batches) and world > 1
-        if self.dispatch_batches and (collectives is None or not collectives.active):
-            raise ValueError(
-                "dispatch_batches=True needs an initialised process group (the run's collectives) to send "
-                "every process its batches; set dataloader_config.dispatch_batches=false to let every "
-                "process read the data itself"
-            )
-        self._is_source = (rank == 0) if is_source is None else is_source
-
-        self._loader_kwargs: dict[str, Any] = {k: getattr(dataloader, k) for k in LOADER_KWARGS}
-        if dataloader.num_workers > 0:
-            self._loader_kwargs["prefetch_factor"] = dataloader.prefetch_factor
-            self._loader_kwargs["multiprocessing_context"] = dataloader.multiprocessing_context
-        if hasattr(dataloader, "in_order"):
-            self._loader_kwargs["in_order"] = dataloader.in_order
+        self.seed_source = reading.seed_source
+        self._seed = reading.seed
+        self._sampler_kind = reading.sampler_kind
+        self.sampler = reading.sampler
+        self.dispatch_batches = reading.dispatch_batches
+        self._is_source = reading.is_source
+        self._loader_kwargs = reading.loader_kwargs
         self._worker_generator = torch.Generator()
         #: Called with each pass's epoch (HF datasets reshuffle that way); looked up once.
         self._dataset_set_epoch = getattr(self.dataset, "set_epoch", None)
