@@ -100,19 +100,13 @@ class PreparedDataLoader:
             dispatch_batches=dispatch_batches, seed=seed, use_configured_sampler=use_configured_sampler,
             collectives=collectives, is_source=is_source,
         )
-        #: False for ``batch_size=None`` (every sample is a unit, converted, not collated).
-        self._auto_collation = reading.auto_collation
-        self.drop_last = reading.drop_last
-        self._kind = reading.kind
-        self._custom_batches = reading.custom_batches
-        self._layout = reading.layout
+        # What to batch and how (``_auto_collation`` False: batch_size=None, every sample a unit).
+        self._kind, self._custom_batches, self._auto_collation = reading.kind, reading.custom_batches, reading.auto_collation
+        self.drop_last, self._layout = reading.drop_last, reading.layout
         #: Where the seed came from: "config" (data_seed), "generator" (the user's) or "global_rng" (drawn).
         self.seed_source = reading.seed_source
-        self._seed = reading.seed
-        self._sampler_kind = reading.sampler_kind
-        self.sampler = reading.sampler
-        self.dispatch_batches = reading.dispatch_batches
-        self._is_source = reading.is_source
+        self._seed, self.sampler, self._sampler_kind = reading.seed, reading.sampler, reading.sampler_kind
+        self.dispatch_batches, self._is_source = reading.dispatch_batches, reading.is_source
         self._loader_kwargs = reading.loader_kwargs
         self._worker_generator = torch.Generator()
         #: Called with each pass's epoch (HF datasets reshuffle that way); looked up once.
