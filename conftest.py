@@ -6,6 +6,9 @@ says so. A test without the ``multiprocess`` marker (given by hand, or by asking
 ``gloo_pool``/``process_guard`` fixtures) that starts one — ``subprocess``, ``os.fork``,
 ``multiprocessing`` — fails, naming what it started and how to mark it. Set
 ``TESTS_REPORT_SPAWNS=path`` to list such tests in a file instead of failing them.
+
+One exemption stays in the tier: ``lint`` tests (tests/test_lint.py), whose ruff is a binary
+started once for the whole repository — a fraction of a second, no interpreter, no torch.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Any
 
 import pytest
 
-_EXEMPT_MARKERS = ("multiprocess", "packaging", "slow")
+#: Markers whose tests may start processes: the three the fast tier deselects, and ``lint``.
+_EXEMPT_MARKERS = ("multiprocess", "packaging", "slow", "lint")
 
 # The standard library runs `uname -p` once per process, on first use, and caches the answer
 # (libraries such as MLflow ask): asked here, before any test, it is nobody's process.

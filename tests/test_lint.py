@@ -1,9 +1,17 @@
-"""Lint that runs: ruff over the whole repository with the rules pinned in pyproject.toml
-(``[tool.ruff.lint]``), so CI fails on an unused import or a misordered import block."""
+"""Lint that runs in the fast tier: ruff over the whole repository with the rules pinned in
+pyproject.toml (``[tool.ruff.lint]``), import-linter's contracts (``[tool.importlinter]``) and the
+no-cycle check, so a developer sees an unused import or a layer broken upward after every edit,
+not only in CI.
+
+Import-linter and grimp run in this process (their Python APIs). Ruff is a binary, so its test
+starts one short process: it carries the ``lint`` marker, which the fast tier's ``-m`` expression
+selects and the root conftest.py exempts from the fast tier's no-process rule.
+"""
 
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -12,11 +20,24 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.multiprocess
+@pytest.mark.lint
 def test_ruff_passes_on_the_repository():
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(REPO)], capture_output=True,
                             text=True, timeout=300, check=False, cwd=REPO)
     assert result.returncode == 0, f"ruff check failed:\n{result.stdout[-6000:]}{result.stderr[-2000:]}"
+
+
+def test_import_boundaries_hold(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    try:
+        from importlinter import cli
+    except ImportError:
+        pytest.fail("import-linter is not installed (pip install -r requirements-dev.txt)")
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # lint_imports puts the working directory first
+    status = cli.lint_imports(config_filename=str(REPO / "pyproject.toml"), no_cache=True, no_logo=True)
+    report = capsys.readouterr().out
+    assert status == cli.EXIT_STATUS_SUCCESS, report
+    assert re.search(r"Contracts: \d+ kept, 0 broken\.", report), report
 
 
 def test_the_core_has_no_import_cycle():
@@ -40,3 +61,21 @@ def test_the_core_has_no_import_cycle():
             if child not in done:
                 path.append(child)
                 stack.append(iter(edges[child]))
+
+
+class _Markers(dict):
+    """A marker expression's names: True for the markers a test carries, False for any other."""
+
+    def __missing__(self, name: str) -> bool:
+        return False
+
+
+def test_the_readmes_fast_tier_selects_every_lint_test():
+    readme = (REPO / "README.md").read_text()
+    fast_tier = re.search(r'python -m pytest -m "([^"]+)"\s+# fast tier', readme)
+    assert fast_tier, "README.md's 'Run one test / one tier' block lost its fast-tier command"
+    lint_tests = [value for name, value in globals().items() if name.startswith("test_") and callable(value)]
+    for test in lint_tests:
+        markers = _Markers({mark.name: True for mark in getattr(test, "pytestmark", [])})
+        assert eval(fast_tier.group(1), {"__builtins__": {}}, markers), \
+            f"{test.__name__} (markers {sorted(markers)}) is left out of the fast tier ({fast_tier.group(1)!r})"
