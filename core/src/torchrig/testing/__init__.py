@@ -47,7 +47,7 @@ _LAZY = {
     "HookCall": "torchrig.testing.recorder",
     "HookRecorder": "torchrig.testing.recorder",
     "WorkerPool": "torchrig.testing.pool",
-    "WorkerContext": "torchrig.testing.pool",
+    "WorkerContext": "torchrig.testing.pool_worker",
     "WorkerError": "torchrig.testing.pool",
     "WorkerDied": "torchrig.testing.pool",
     "PoolTimeout": "torchrig.testing.pool",
