@@ -59,21 +59,19 @@ Caveats
       variables read at interpreter start or at ``import torch`` (``OMP_NUM_THREADS``) take effect.
     * Linux only (``setsid``, ``prctl``, ``killpg``, ``/proc``).
 
-This module is the parent side (spawning, timeouts, killing, reporting); what runs inside each
-rank is :mod:`torchrig.testing.pool_worker`.
+This module is the parent side (when to start, restart and give up; reporting); how the worker
+processes are owned and swept is :mod:`torchrig.testing.pool_processes`, and what runs inside
+each rank is :mod:`torchrig.testing.pool_worker`.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.util  # noqa: F401  -- imported before our atexit hook is registered, see end
 import os
 import pickle
-import shutil
 import signal
 import sys
 import tempfile
@@ -86,7 +84,16 @@ from typing import Any
 
 import attrs
 
-from torchrig.testing.pool_worker import WorkerContext, WorkerSpec, send_message, worker_main
+from torchrig.testing.pool_processes import (
+    LIVE_STATES,
+    REAP_TIMEOUT,
+    PoolState,
+    WorkerProcesses,
+    dump_stacks,
+    is_alive,
+    patched_environ,
+)
+from torchrig.testing.pool_worker import WorkerContext, WorkerSpec, worker_main
 from torchrig.testing.processes import leftover_processes
 
 __all__ = ["PoolTimeout", "WorkerContext", "WorkerDied", "WorkerError", "WorkerPool", "checked_pool"]
@@ -96,12 +103,6 @@ __all__ = ["PoolTimeout", "WorkerContext", "WorkerDied", "WorkerError", "WorkerP
 DEFAULT_WORKER_ENV: Mapping[str, str] = {"OMP_NUM_THREADS": "1"}
 
 #: Seconds to wait for a SIGKILLed worker to be reaped (it is immediate unless the kernel is stuck).
-_REAP_TIMEOUT = 10.0
-#: Seconds ``close()`` waits for workers to leave on their own before SIGKILLing them.
-_CLOSE_TIMEOUT = 15.0
-#: Seconds to wait for a faulthandler stack dump after sending SIGUSR1.
-_STACK_DUMP_TIMEOUT = 2.0
-#: Longest text kept per rank in an error message (tracebacks, stack dumps).
 _MAX_TEXT = 8000
 
 
@@ -162,30 +163,6 @@ class WorkerDied(WorkerError):
 # parent side
 
 
-_ENVIRON_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _patched_environ(env: Mapping[str, str]) -> Iterator[None]:
-    """Set ``env`` in ``os.environ`` while workers are spawned, then restore it.
-
-    The spawned interpreter copies the environment at exec time; variables read before any
-    worker code runs (at interpreter start, or at ``import torch`` triggered by importing
-    torchrig) only take effect this way.
-    """
-    with _ENVIRON_LOCK:
-        saved = {key: os.environ.get(key) for key in env}
-        try:
-            os.environ.update(env)
-            yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-
-
 def _signal_name(exitcode: int | None) -> str:
     if exitcode is None:
         return "exit code unknown"
@@ -202,88 +179,6 @@ def _clip(text: str) -> str:
     if len(text) <= _MAX_TEXT:
         return text
     return f"[... {len(text) - _MAX_TEXT} characters cut ...]\n" + text[-_MAX_TEXT:]
-
-
-@attrs.define
-class _Workers:
-    """One generation of worker processes (a restart makes a new one)."""
-
-    directory: str
-    procs: list[Any] = attrs.field(factory=list)
-    conns: list[multiprocessing.connection.Connection] = attrs.field(factory=list)
-    stack_paths: list[str] = attrs.field(factory=list)
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs if p.pid is not None]
-
-    def kill(self) -> None:
-        """SIGKILL every worker's process group, reap the workers, free their resources."""
-        for proc in self.procs:
-            if proc.pid is None:
-                continue
-            # The worker leads its own group (setsid): this also kills what its tasks started.
-            # Before setsid has run there is no such group (ESRCH) and the direct kill does it.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            if proc.exitcode is None and _is_our_child(proc.pid):  # never a recycled pid
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(proc.pid, signal.SIGKILL)
-        for proc in self.procs:
-            if proc.pid is not None:
-                proc.join(_REAP_TIMEOUT)
-        self._release()
-
-    def shutdown(self, timeout: float) -> None:
-        """Ask the workers to leave (they destroy the process group), then kill what is left."""
-        for conn in self.conns:
-            with contextlib.suppress(OSError, ValueError):
-                send_message(conn, ("exit",))
-        deadline = time.monotonic() + timeout
-        for proc in self.procs:
-            if proc.pid is not None:
-                proc.join(max(0.0, deadline - time.monotonic()))
-        self.kill()  # survivors, and anything the workers left in their process groups
-
-    def _release(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.close()
-        for proc in self.procs:
-            if proc.exitcode is not None:
-                with contextlib.suppress(ValueError, AttributeError):
-                    proc.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-class _PoolState:
-    """The part of a pool its finalizer needs (it must not reference the pool itself)."""
-
-    def __init__(self) -> None:
-        self.owner_pid = os.getpid()
-        self.workers: _Workers | None = None
-        self.root_dir: str | None = None
-        self.closed = False
-
-    def kill_workers(self) -> None:
-        workers, self.workers = self.workers, None
-        if workers is not None and os.getpid() == self.owner_pid:
-            workers.kill()
-
-    def shutdown_workers(self, timeout: float = _CLOSE_TIMEOUT) -> None:
-        workers, self.workers = self.workers, None
-        if workers is not None and os.getpid() == self.owner_pid:
-            workers.shutdown(timeout)
-
-    def close(self) -> None:
-        self.closed = True
-        if os.getpid() != self.owner_pid:  # a forked copy must not touch its parent's workers
-            return
-        try:
-            self.shutdown_workers()
-        finally:
-            root, self.root_dir = self.root_dir, None
-            if root is not None:
-                shutil.rmtree(root, ignore_errors=True)
 
 
 @attrs.define
@@ -330,16 +225,16 @@ class WorkerPool:
         self.collective_timeout = float(collective_timeout)
         self.start_timeout = float(start_timeout)
         self.error_grace = float(error_grace)
-        self._state = _PoolState()
+        self._state = PoolState()
         self._lock = threading.RLock()
         self._task_ids = itertools.count(1)
         self._generations = itertools.count(1)
         self._started_pids: list[int] = []
         # Closes the workers if the pool is garbage collected unclosed; at interpreter exit our
-        # own hook (_close_live_pools) does it, ahead of multiprocessing's.
+        # own hook (pool_processes._close_live_pools) does it, ahead of multiprocessing's.
         self._finalizer = weakref.finalize(self, self._state.close)
         self._finalizer.atexit = False
-        _LIVE_STATES.add(self._state)
+        LIVE_STATES.add(self._state)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -373,7 +268,7 @@ class WorkerPool:
         with self._lock:
             self._check_open()
             workers = self._state.workers
-            if workers is not None and all(_is_alive(p) for p in workers.procs):
+            if workers is not None and all(is_alive(p) for p in workers.procs):
                 return
             if workers is not None:  # a worker died between tasks: start afresh
                 self._state.kill_workers()
@@ -416,11 +311,11 @@ class WorkerPool:
         scratch = os.path.join(state.root_dir, "scratch")
         os.makedirs(scratch, exist_ok=True)
         directory = tempfile.mkdtemp(prefix=f"gen{next(self._generations)}-", dir=state.root_dir)
-        workers = _Workers(directory=directory)
+        workers = WorkerProcesses(directory=directory)
         state.workers = workers  # from here on, kill_workers() cleans up whatever was started
         ctx = multiprocessing.get_context("spawn")
         try:
-            with _patched_environ(self.env):
+            with patched_environ(self.env):
                 for rank in range(self.world_size):
                     stack_path = os.path.join(directory, f"rank{rank}.stacks")
                     spec = WorkerSpec(
@@ -497,7 +392,7 @@ class WorkerPool:
                 self._state.shutdown_workers()
             return [outcome.replies[rank][2] for rank in range(self.world_size)]
 
-    def _collect(self, workers: _Workers, task_id: int | None, timeout: float) -> _Outcome:
+    def _collect(self, workers: WorkerProcesses, task_id: int | None, timeout: float) -> _Outcome:
         """Wait for every rank's answer, a death, or the deadline; never raises for a rank."""
         pending = set(range(len(workers.procs)))
         replies: dict[int, tuple[Any, ...]] = {}
@@ -521,7 +416,7 @@ class WorkerPool:
                 if reply == "stale":
                     continue
                 if reply is None:  # no answer and the process is gone
-                    proc.join(_REAP_TIMEOUT)
+                    proc.join(REAP_TIMEOUT)
                     died[rank] = proc.exitcode
                 else:
                     replies[rank] = reply
@@ -531,7 +426,7 @@ class WorkerPool:
                 grace_deadline = time.monotonic() + self.error_grace
         return _Outcome(replies=replies, died=died, silent=sorted(pending))
 
-    def _raise_for(self, outcome: _Outcome, workers: _Workers, *, what: str, timeout: float, task: bool) -> None:
+    def _raise_for(self, outcome: _Outcome, workers: WorkerProcesses, *, what: str, timeout: float, task: bool) -> None:
         """Turn a failed outcome into the right exception, killing the workers when needed."""
         errors = {r: reply for r, reply in sorted(outcome.replies.items()) if reply[0] != "ok"}
         if not errors and not outcome.died and not outcome.silent:
@@ -553,7 +448,7 @@ class WorkerPool:
                     " that starts a pool must do so under `if __name__ == '__main__':` (spawn start method)."
                 )
         results = {r: reply[2] for r, reply in outcome.replies.items() if reply[0] == "ok" and task}
-        stacks = _dump_stacks(workers, outcome.silent) if outcome.silent else {}
+        stacks = dump_stacks(workers, outcome.silent) if outcome.silent else {}
         killed = bool(outcome.died or outcome.silent)
         if killed:
             self._state.kill_workers()
@@ -595,7 +490,7 @@ class WorkerPool:
             raise WorkerError(message, **kwargs)
         raise PoolTimeout(message, **kwargs)
 
-    def _probe(self, workers: _Workers) -> bool:
+    def _probe(self, workers: WorkerProcesses) -> bool:
         """After a task failed on some ranks but all answered: is the process group still usable?"""
         task_id = next(self._task_ids)
         message = pickle.dumps(("probe", task_id), protocol=pickle.HIGHEST_PROTOCOL)
@@ -625,34 +520,6 @@ def checked_pool(world_size: int, **options: Any) -> Iterator[WorkerPool]:
         assert not left, f"the {world_size}-rank worker pool left processes behind: {left}"
 
 
-def _is_our_child(pid: int) -> bool:
-    """Whether ``pid`` is (still) a child of this process, so that signalling it is safe."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            ppid = int(f.read().rpartition(b")")[2].split()[1])
-    except FileNotFoundError:
-        return not os.path.isdir("/proc/self")  # no /proc: trust multiprocessing's bookkeeping
-    except (OSError, IndexError, ValueError):
-        return False
-    return ppid == os.getpid()
-
-
-def _is_alive(proc: Any) -> bool:
-    """Whether a worker is running; a zombie counts as dead even before ``waitpid`` reports it
-    (some kernels / sandboxes such as gVisor show the zombie in ``/proc`` first)."""
-    if proc.exitcode is not None:
-        return False
-    try:
-        with open(f"/proc/{proc.pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]
-    except FileNotFoundError:
-        # Reaped behind multiprocessing's back (e.g. by leftover_processes), or no /proc at all.
-        return not os.path.isdir("/proc/self")
-    except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X", b"x")
-
-
 def _read_reply(conn: multiprocessing.connection.Connection, task_id: int | None) -> Any:
     """The reply waiting on ``conn``; ``None`` if the worker is gone; ``"stale"`` for an old one."""
     try:
@@ -668,37 +535,6 @@ def _read_reply(conn: multiprocessing.connection.Connection, task_id: int | None
     if reply[1] != task_id:
         return "stale"
     return reply
-
-
-def _dump_stacks(workers: _Workers, ranks: Sequence[int]) -> dict[int, str]:
-    """Ask the given (live) ranks for their Python stacks via faulthandler/SIGUSR1."""
-    sizes: dict[int, int] = {}
-    for rank in ranks:
-        path = workers.stack_paths[rank]
-        try:
-            sizes[rank] = os.path.getsize(path)
-            os.kill(workers.procs[rank].pid, signal.SIGUSR1)
-        except OSError:
-            continue
-    deadline = time.monotonic() + _STACK_DUMP_TIMEOUT
-    waiting = set(sizes)
-    while waiting and time.monotonic() < deadline:
-        time.sleep(0.05)
-        for rank in list(waiting):
-            with contextlib.suppress(OSError):
-                if os.path.getsize(workers.stack_paths[rank]) > sizes[rank]:
-                    waiting.discard(rank)
-    if len(waiting) < len(sizes):
-        time.sleep(0.1)  # let the dumps that started finish
-    stacks: dict[int, str] = {}
-    for rank, size in sizes.items():
-        try:
-            with open(workers.stack_paths[rank], errors="replace") as f:
-                f.seek(size)
-                stacks[rank] = f.read()
-        except OSError:
-            continue
-    return stacks
 
 
 def _task_name(fn: Any) -> str:
@@ -718,25 +554,3 @@ def _pickle_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
             "pickle: the function must be defined at module level of an importable module (not a "
             "lambda, closure or nested function) and its arguments must be picklable."
         ) from exc
-
-
-# --------------------------------------------------------------------------------------------
-# interpreter exit
-
-#: State of every pool not yet garbage collected (a finalizer keeps it alive until it ran).
-_LIVE_STATES: weakref.WeakSet[_PoolState] = weakref.WeakSet()
-
-
-def _close_live_pools() -> None:
-    """Close every pool still open at exit.
-
-    Registered after ``multiprocessing.util`` is imported, so it runs *before* multiprocessing's
-    own exit hook, which would otherwise wait forever for our workers: they are not daemonic,
-    because a daemonic process may not start children and tasks may (DataLoader workers).
-    """
-    for state in list(_LIVE_STATES):
-        with contextlib.suppress(Exception):
-            state.close()
-
-
-atexit.register(_close_live_pools)
