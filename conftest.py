@@ -13,6 +13,7 @@ started once for the whole repository — a fraction of a second, no interpreter
 
 from __future__ import annotations
 
+import gc
 import multiprocessing.process
 import os
 import platform
@@ -28,6 +29,16 @@ _EXEMPT_MARKERS = ("multiprocess", "packaging", "slow", "lint")
 # The standard library runs `uname -p` once per process, on first use, and caches the answer
 # (libraries such as MLflow ask): asked here, before any test, it is nobody's process.
 platform.processor()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection built (torch, transformers, every test module: millions of objects
+    that live until exit) out of the garbage collector's sight. Every full collection after it —
+    Python's own, ``rank_environment``'s and ``free_memory``'s before each Accelerator, pytest's at
+    exit — then walks only what the tests made: ~0.4 s each on 2 cores before, milliseconds after.
+    Objects the tests create are collected exactly as before."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
