@@ -156,11 +156,10 @@ def mlflow_run(project: Path, experiment: str):
 # slow is not stuck: every event arrives
 
 
-def test_a_slow_mlflow_server_receives_every_event_batched(tmp_path):
+def test_a_slow_mlflow_server_receives_every_event_batched(tmp_path, mlflow_store):
     from mlflow.tracking import MlflowClient
 
-    project = tmp_path / "project"
-    project.mkdir()  # the store exists (its schema created), as a tracking server's does
+    project = tmp_path / "project"  # the store exists (its schema created), as a tracking server's does
     MlflowClient(tracking_uri="sqlite:///" + str(project / "mlflow.db")).create_experiment("demo")
     slow = SlowMLflow("demo", str(project), delay=0.3)
     accelerator = accelerator_for(tmp_path, [slow])
@@ -292,7 +291,7 @@ def test_steps_of_queue_full_drops_are_reported_as_ranges(tmp_path):
 # what is logged as hyperparameters
 
 
-def test_hyperparameters_are_the_users_config_plus_a_compact_summary_by_default(tmp_path):
+def test_hyperparameters_are_the_users_config_plus_a_compact_summary_by_default(tmp_path, mlflow_store):
     recorder = Recorder()
     accelerator = accelerator_for(tmp_path, ["mlflow", recorder], gradient_accumulation_steps=2)
     accelerator.init_trackers("demo", config={"lr": 0.05, "model": {"layers": 4}})
@@ -311,7 +310,7 @@ def test_hyperparameters_are_the_users_config_plus_a_compact_summary_by_default(
     assert set(run.data.params) == set(flat)
 
 
-def test_the_full_configuration_is_logged_when_asked_for(tmp_path, monkeypatch):
+def test_the_full_configuration_is_logged_when_asked_for(tmp_path, monkeypatch, mlflow_store):
     monkeypatch.setenv("TORCHRIG_TRACKER_HYPERPARAMETERS", "full")
     recorder = Recorder()
     accelerator = accelerator_for(tmp_path, ["mlflow", recorder])
@@ -348,7 +347,7 @@ def test_events_logged_after_end_training_are_counted_and_said_once(tmp_path, ca
     assert (row["after_end"], row["dropped"], row["dropped_steps"]) == (3, 3, {"after_end": [[1, 3]]})
 
 
-def test_values_a_tracker_cannot_record_are_counted_and_said_once(tmp_path, caplog):
+def test_values_a_tracker_cannot_record_are_counted_and_said_once(tmp_path, caplog, mlflow_store):
     project = tmp_path / "project"
     accelerator = accelerator_for(tmp_path, [MLflowTracker("demo", str(project)), CSVTracker("demo", str(project))])
     accelerator.init_trackers("demo")
@@ -366,7 +365,7 @@ def test_values_a_tracker_cannot_record_are_counted_and_said_once(tmp_path, capl
     assert any("'mlflow'" in r.getMessage() and "8 values not recorded" in r.getMessage() for r in caplog.records)
 
 
-def test_mlflow_names_that_collide_once_sanitised_are_all_kept(tmp_path):
+def test_mlflow_names_that_collide_once_sanitised_are_all_kept(tmp_path, mlflow_store):
     project = tmp_path / "project"
     accelerator = accelerator_for(tmp_path, [MLflowTracker("demo", str(project))])
     accelerator.init_trackers("demo", config={"a@b": 1, "a#b": 2, "long": "x" * 7000})
