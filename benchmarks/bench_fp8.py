@@ -9,7 +9,7 @@ Model: 16 layers, d=2048, 16 heads, SwiGLU FFN 5632, RMSNorm, vocab 32000, untie
 2048 (~0.95B parameters; no rotary embedding — it has no matmul and leaves the fp8 share alike).
 Each runner trains its own copy on the same random tokens; blocks of steps alternate between the
 runners (order reversed every block), each timed between ``cuda.synchronize()`` calls; medians
-of blocks. MFU via :mod:`torchrig.throughput`: tokens/s × ``transformer_flops_per_token`` (6·N +
+of blocks. MFU via :mod:`torchrig.tracking.throughput`: tokens/s × ``transformer_flops_per_token`` (6·N +
 12·L·d·T) ÷ the GPU's dense peak from ``PEAK_FLOPS`` — against the bf16 peak for every runner (as
 torchtitan reports fp8 runs, so the numbers compare) and, for fp8, also against the fp8 peak.
 
@@ -32,7 +32,7 @@ import time
 import torch
 from _report import emit
 from torch import nn
-from torchrig.throughput import device_peak_flops, non_embedding_params, transformer_flops_per_token
+from torchrig.tracking.throughput import device_peak_flops, non_embedding_params, transformer_flops_per_token
 
 SPEEDUP_GOAL, RATIO_GOAL = 1.2, 0.98
 LLAMA_1B = {"layers": 16, "d": 2048, "heads": 16, "ffn": 5632, "vocab": 32000, "seq": 2048}

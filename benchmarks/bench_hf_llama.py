@@ -162,7 +162,7 @@ def task(ctx, config: dict, sizes: tuple[int, int], batch: int, rounds: int, ste
          rig_first: bool, copies: int, control: bool, bf16: bool) -> dict:
     """One trial on one rank: per-round tokens/s of both sides (``bench_mesh.task``'s procedure)."""
     from torchrig.testing.contracts import rank_environment
-    from torchrig.throughput import estimate_flops_per_token
+    from torchrig.tracking.throughput import estimate_flops_per_token
 
     with rank_environment(ctx.rank, ctx.world_size):
         os.environ.setdefault("LOCAL_RANK", str(ctx.rank))
@@ -244,7 +244,7 @@ def gpu_row(args: argparse.Namespace) -> bool:
         print(f"B20 GPU skipped: {reason}")
         emit("B20 GPU", what, "—", f"≥ {GOAL}", None)
         return True
-    from torchrig.throughput import device_peak_flops
+    from torchrig.tracking.throughput import device_peak_flops
 
     results = measure(ONE_BILLION, (1, 1), args.gpu_batch, args.rounds, args.steps, True, args.trials, 1, args.control,
                       bf16=True)
@@ -272,7 +272,7 @@ def main() -> int:
     parser.add_argument("--control", action="store_true", help="A/A: hand-written copies on both sides")
     parser.add_argument("--loaded", action="store_true", help="mark the CPU rows as measured on a shared machine")
     parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="GPU peak (default: torchrig.throughput's table for the device, bf16)")
+                        help="GPU peak (default: torchrig.tracking.throughput's table for the device, bf16)")
     parser.add_argument("--smoke", action="store_true", help="the CPU rows' code path on a tiny Llama: not a measurement")
     args = parser.parse_args()
     wanted = _wanted(args.only)

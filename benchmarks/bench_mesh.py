@@ -17,7 +17,7 @@ interval of the pooled per-round ratios. ``--control`` builds hand-written copie
 B13  TP on 4 CPU ranks (tp 4), fp32, tokens/s ratio ≥ 0.98.
 B14  FSDP2 × TP on 4 CPU ranks (dp_shard 2 × tp 2), fp32, ≥ 0.98.
 B15  (GPU) ~1B Llama-style model, FSDP2 × TP (tp 2, dp_shard the rest) bf16 on every visible GPU:
-     tokens/s of both sides, the ratio, and MFU (torchrig.throughput's 6·N + 12·L·d·T formula and
+     tokens/s of both sides, the ratio, and MFU (torchrig.tracking.throughput's 6·N + 12·L·d·T formula and
      peak table); skipped without two CUDA GPUs.
 
     python benchmarks/bench_mesh.py [--only B13,B14,B15] [--trials 2] [--copies 2] [--rounds 6] [--steps 2]
@@ -98,7 +98,7 @@ class Block(nn.Module):
 class LlamaLike(nn.Module):
     def __init__(self, layers: int, dim: int, heads: int, ffn: int, vocab: int, seq: int) -> None:
         super().__init__()
-        self.n_layers, self.dim, self.seq = layers, dim, seq  # read by torchrig.throughput
+        self.n_layers, self.dim, self.seq = layers, dim, seq  # read by torchrig.tracking.throughput
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
         self.norm, self.head = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
@@ -175,7 +175,7 @@ def task(ctx, config: dict, sizes: tuple[int, int], batch: int, rounds: int, ste
             torch.cuda.set_device(device)
         torch.manual_seed(0)
         base = LlamaLike(**config)
-        from torchrig.throughput import estimate_flops_per_token
+        from torchrig.tracking.throughput import estimate_flops_per_token
 
         flops = estimate_flops_per_token(base, config["seq"])
         generator = torch.Generator().manual_seed(ctx.rank // sizes[1])  # the ranks of a tp group share tokens
@@ -241,7 +241,7 @@ def main() -> int:
     parser.add_argument("--loaded", action="store_true",
                         help="mark the CPU rows as measured on a machine shared with other work")
     parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="GPU peak (default: torchrig.throughput's table for the device, bf16)")
+                        help="GPU peak (default: torchrig.tracking.throughput's table for the device, bf16)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run B15's code path (bf16 policies) on 4 CPU ranks with the small model: not a measurement")
     args = parser.parse_args()
@@ -277,7 +277,7 @@ def gpu_row(args: argparse.Namespace, smoke: bool = False) -> bool:
         print(f"B15 skipped: needs two CUDA GPUs (tp 2), found {world}")
         emit("B15", what, "—", f"≥ {GPU_RATIO_GOAL}", None)
         return True
-    from torchrig.throughput import device_peak_flops
+    from torchrig.tracking.throughput import device_peak_flops
 
     sizes = (world // 2, 2)
     results = measure(ONE_BILLION, sizes, 2, args.rounds, args.steps, True, args.trials, 1, args.control, bf16=True)

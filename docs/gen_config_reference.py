@@ -14,7 +14,7 @@ from torchrig.config.compat import ACCELERATE_KEYS
 from torchrig.config.flags import collect_flags
 from torchrig.config.readers import env_name
 from torchrig.config.resolve import Schema
-from torchrig.plugin_host import PluginHost
+from torchrig.host.plugin_host import PluginHost
 
 
 def _default(value: object) -> str:

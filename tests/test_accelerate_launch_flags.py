@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from torchrig.config import compat
-from torchrig.discovery import installed_distributions
 from torchrig.errors import ConfigError, TorchrigError
+from torchrig.host.discovery import installed_distributions
 from torchrig.launch.cli import build_parser, run_launch, split_argv
 from torchrig.testing.hosts import make_host
 

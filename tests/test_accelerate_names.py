@@ -20,7 +20,7 @@ import torchrig
 from torchrig.compat.accelerate_names import ACCELERATE_SOURCE, MIRRORED_UTILS_SUBMODULES, TABLE
 from torchrig.compat.resolve import plugin_export, torchrig_path
 from torchrig.compat.targets import FromPlugin, Refused, RefusedNameError
-from torchrig.discovery import load_reference
+from torchrig.host.discovery import load_reference
 from torchrig.testing.contracts import rank_environment
 
 SNAPSHOT = json.loads((Path(__file__).parent / "data" / "accelerate_names.json").read_text())

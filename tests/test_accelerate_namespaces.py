@@ -24,7 +24,7 @@ import pytest
 from torchrig.compat.accelerate_names import ACCELERATE_SOURCE, TABLE
 from torchrig.compat.resolve import plugin_export, torchrig_path
 from torchrig.compat.targets import FromPlugin, Refused, RefusedNameError
-from torchrig.discovery import load_reference
+from torchrig.host.discovery import load_reference
 
 DATA = Path(__file__).parent / "data"
 SNAPSHOT = json.loads((DATA / "accelerate_names.json").read_text())
@@ -50,8 +50,8 @@ def test_the_names_come_from_the_accelerate_1_15_release_by_the_written_rule():
 
 
 def test_the_issues_examples_import_from_accelerates_paths():
-    from torchrig.enums import DistributedType as distributed_type
-    from torchrig.enums import LoggerType as logger_type
+    from torchrig.compat.enums import DistributedType as distributed_type
+    from torchrig.compat.enums import LoggerType as logger_type
     from torchrig.state import DistributedType
     from torchrig.tracking import LoggerType
 

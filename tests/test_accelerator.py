@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
-import torchrig.accelerator as accelerator_module
+import torchrig.accelerator.accelerator as accelerator_module
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchrig import Accelerator, AutocastKwargs, GradientAccumulationPlugin
-from torchrig.plugin_host import PluginHost
+from torchrig.host.plugin_host import PluginHost
 from torchrig.testing import HookRecorder
 from torchrig.utils import find_executable_batch_size, set_seed
 
@@ -342,8 +342,8 @@ def test_shuffled_training_is_bit_identical_to_a_hand_written_loop_with_the_same
 
 
 def test_a_second_strategy_on_the_same_world_raises():
-    from torchrig.run import RunContext
-    from torchrig.runtime import claim_world
+    from torchrig.host.run import RunContext
+    from torchrig.host.runtime import claim_world
 
     first = RunContext(config={"strategy": "single"})
     claim_world(first)

@@ -19,11 +19,11 @@ import threading
 import time
 
 import pytest
-from torchrig.process_group import settle_threads
+from torchrig.distributed.process_group import settle_threads
+from torchrig.plugin.types import ClusterInfo
 from torchrig.testing import make_host
 from torchrig.testing.contracts import ClusterContract
 from torchrig.testing.processes import spawn_in_new_session
-from torchrig.types import ClusterInfo
 
 WORKER = pathlib.Path(__file__).parent / "cluster_scripts" / "worker.py"
 SHELL = {"HOME": "/root", "PATH": "/usr/local/bin:/usr/bin:/bin", "HOSTNAME": "train-worker-1"}

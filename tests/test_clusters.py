@@ -2,7 +2,7 @@
 
 The environments below are what a process of each kind of job sees (trimmed to the variables
 that matter plus typical noise). Detection goes through the installed entry points and pluggy,
-exactly as :func:`torchrig.runtime.detect_cluster` does it.
+exactly as :func:`torchrig.host.runtime.detect_cluster` does it.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from torchrig.builtins.clusters import (
     slurm_master_port,
     srun_command,
 )
-from torchrig.plugin_host import PluginStatus
+from torchrig.host.plugin_host import PluginStatus
+from torchrig.plugin.types import ClusterInfo, LaunchPlan
 from torchrig.testing import make_host
-from torchrig.types import ClusterInfo, LaunchPlan
 
 SHELL = {"HOME": "/home/ada", "PATH": "/opt/venv/bin:/usr/bin:/bin", "USER": "ada", "LANG": "C.UTF-8"}
 
@@ -473,7 +473,7 @@ def test_forcing_slurm_outside_slurm_is_the_core_default():
 
 
 def test_runtime_detect_cluster_honours_the_cluster_option():
-    from torchrig.runtime import detect_cluster
+    from torchrig.host.runtime import detect_cluster
 
     assert detect_cluster(make_host(), {"cluster": "local"}, environ=LEFTOVERS).source == "local"
     assert detect_cluster(make_host(), {}, environ=SLURM_SBATCH_SRUN_TASK5).source == "slurm"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torchrig.collectives import Collectives
+from torchrig.distributed.collectives import Collectives
 
 pytestmark = pytest.mark.multiprocess
 
@@ -67,13 +67,13 @@ def test_single_process_collectives_return_input_shapes():
 
 def _shard_through_the_default_hook(ctx):
     from torch.utils.data import DataLoader, TensorDataset
-    from torchrig.runtime import negotiate_capabilities
+    from torchrig.host.runtime import negotiate_capabilities
+    from torchrig.plugin.types import ClusterInfo
     from torchrig.testing import make_host
-    from torchrig.types import ClusterInfo
 
     host = make_host()
     host.select_auto("device", only="cpu")
-    from torchrig.run import RunContext
+    from torchrig.host.run import RunContext
 
     run = RunContext(plugins=host, cluster=ClusterInfo(rank=ctx.rank, world_size=ctx.world_size))
     run.device = host.hook.torchrig_select_device(run=run)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 from torchrig import Accelerator
-from torchrig.compile_check import CHECK_AFTER_STEPS, RECOMPILE_WARN_THRESHOLD, CompileVerifier
 from torchrig.config.options import TorchDynamoPlugin
 from torchrig.testing.effects import assert_compiled, count_compilation
+from torchrig.training.compile_check import CHECK_AFTER_STEPS, RECOMPILE_WARN_THRESHOLD, CompileVerifier
 
 
 class Block(nn.Module):

@@ -471,10 +471,10 @@ def test_a_plugin_section_no_source_sets_is_built_on_first_read_like_every_other
 
 def test_a_section_whose_options_reference_is_wrong_fails_when_used_naming_the_section(fake_modules):
     from torchrig.errors import PluginError
-    from torchrig.hookspecs import HOOK_API_VERSION
-    from torchrig.manifest import PluginManifest
+    from torchrig.plugin.hookspecs import HOOK_API_VERSION
+    from torchrig.plugin.manifest import PluginManifest
+    from torchrig.plugin.types import ConfigSection
     from torchrig.testing import plugin_distribution
-    from torchrig.types import ConfigSection
 
     class BrokenManifest(PluginManifest):
         api_version = HOOK_API_VERSION

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torchrig.context_parallel import AttentionGuard, buffer_problems, context_parallel
+from torchrig.accelerator.context_parallel import AttentionGuard, buffer_problems, context_parallel
 from torchrig.errors import ConfigError
 
 

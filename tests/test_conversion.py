@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 from torch import nn
-from torchrig.conversion import convert_model
+from torchrig.training.conversion import convert_model
 
 
 def host_converting_with(convert):

@@ -23,13 +23,13 @@ from torch.utils.data import (
     TensorDataset,
 )
 from torchrig.builtins.devices import CPUBackend
-from torchrig.collectives import Collectives
 from torchrig.data import PreparedDataLoader, SeedableRandomSampler, prepare_dataloader, shard_dataloader
 from torchrig.data.standalone import skip_first_batches
-from torchrig.gradient_state import gradient_state_of
-from torchrig.nested import send_to_device
-from torchrig.run import RunContext
-from torchrig.types import ClusterInfo
+from torchrig.distributed.collectives import Collectives
+from torchrig.distributed.nested import send_to_device
+from torchrig.host.run import RunContext
+from torchrig.plugin.types import ClusterInfo
+from torchrig.training.gradient_state import gradient_state_of
 
 # --------------------------------------------------------------------------------------------
 # helpers (module level: the pool sends functions and data with plain pickle)

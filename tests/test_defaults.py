@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from torchrig.checkpoint import CheckpointWriter
-from torchrig.runtime import start_run
+from torchrig.host.runtime import start_run
+from torchrig.plugin.types import LaunchPlan, PreparedModel
 from torchrig.testing import make_host
-from torchrig.types import LaunchPlan, PreparedModel
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ def test_worker_environment_default_divides_cores():
     code = textwrap.dedent(
         """
         from torchrig.testing import make_host
-        from torchrig.types import LaunchPlan
+        from torchrig.plugin.types import LaunchPlan
         host = make_host()
         merged = {}
         for part in host.hook.torchrig_worker_environment(plan=LaunchPlan(command=["x"], nproc_per_node=64)):
@@ -162,7 +162,7 @@ def test_launch_default_runs_workers_with_torch_elastic(tmp_path, process_guard,
         f"""
         import sys
         from torchrig.testing import make_host
-        from torchrig.types import LaunchPlan
+        from torchrig.plugin.types import LaunchPlan
         host = make_host()
         plan = LaunchPlan(command=[sys.executable, {str(script)!r}, {str(tmp_path)!r}], nproc_per_node=2,
                           log_dir={str(tmp_path / "logs")!r},

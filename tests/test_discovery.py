@@ -6,7 +6,6 @@ import sys
 
 import pytest
 from torchrig import hookimpl
-from torchrig.discovery import GROUP_HEADER, installed_distributions, scan
 from torchrig.errors import (
     PluginAPIVersionError,
     PluginConflictError,
@@ -14,12 +13,13 @@ from torchrig.errors import (
     PluginImportError,
     PluginNotFoundError,
 )
-from torchrig.hookspecs import HOOK_API_VERSION
-from torchrig.kinds import GROUPS
-from torchrig.manifest import PluginManifest
-from torchrig.plugin_host import PluginStatus
+from torchrig.host.discovery import GROUP_HEADER, installed_distributions, scan
+from torchrig.host.plugin_host import PluginStatus
+from torchrig.plugin.hookspecs import HOOK_API_VERSION
+from torchrig.plugin.kinds import GROUPS
+from torchrig.plugin.manifest import PluginManifest
+from torchrig.plugin.types import Capabilities, CliFlag
 from torchrig.testing import FakeDistribution, make_host, plugin_distribution
-from torchrig.types import Capabilities, CliFlag
 
 
 class GoodManifest(PluginManifest):
@@ -137,7 +137,7 @@ def test_same_name_in_different_kinds_is_not_a_conflict(mods):
 
 def test_shadowed_copy_of_one_distribution_is_not_a_conflict(mods):
     # importlib.metadata can list one distribution twice (editable + stale copy); the first wins.
-    from torchrig.discovery import scan
+    from torchrig.host.discovery import scan
 
     records = scan([strategy_dist("zz-plugin"), strategy_dist("zz-plugin")])
     assert len(records) == 1

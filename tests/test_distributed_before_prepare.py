@@ -56,7 +56,7 @@ def test_a_model_distributed_by_transformers_before_prepare_is_refused_with_what
 
 def test_a_plain_model_is_not_refused():
     import torch
-    from torchrig.conversion import refuse_distributed_model
+    from torchrig.training.conversion import refuse_distributed_model
 
     refuse_distributed_model(torch.nn.Linear(2, 2))  # no DTensor: nothing to say
     with pytest.raises(Exception, match="already distributed"):

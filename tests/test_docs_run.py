@@ -37,7 +37,7 @@ import pytest
 import tomllib
 import yaml
 from torchrig.cli.main import main as torchrig_main
-from torchrig.memory_model import ModelSpecError, resolve_model
+from torchrig.estimate.memory_model import ModelSpecError, resolve_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"

@@ -18,9 +18,9 @@ import pytest
 import torch
 from torchrig.cli.estimate import estimate_memory
 from torchrig.cli.main import main
-from torchrig.memory import MemoryRequest
-from torchrig.memory_model import SavedTensorCounter, build_on_meta, footprint, training_loss
-from torchrig.plugin_host import PluginHost
+from torchrig.estimate.memory import MemoryRequest
+from torchrig.estimate.memory_model import SavedTensorCounter, build_on_meta, footprint, training_loss
+from torchrig.host.plugin_host import PluginHost
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.memory import bytes_held_since, live_storages
 

@@ -6,13 +6,13 @@ import inspect
 import pathlib
 
 import pytest
-from torchrig import hookspecs
 from torchrig.defaults.configuration import ConfigurationDefaults
 from torchrig.defaults.process import ProcessDefaults
 from torchrig.defaults.training import TrainingDefaults
+from torchrig.host.plugin_host import PluginHost
 from torchrig.launch.defaults import LaunchDefaults
-from torchrig.markers import PROJECT_NAME
-from torchrig.plugin_host import PluginHost
+from torchrig.plugin import hookspecs
+from torchrig.plugin.markers import PROJECT_NAME
 from torchrig.testing import make_host
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

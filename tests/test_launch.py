@@ -226,9 +226,9 @@ def test_flags_end_where_the_script_begins_even_after_a_boolean_flag():
 def test_worker_environment_merges_plugins_under_the_users_and_hands_over_flags_file_and_gpus(tmp_path, monkeypatch):
     from torchrig.config.resolve import resolve_config
     from torchrig.launch.cli import worker_environment
-    from torchrig.markers import hookimpl
+    from torchrig.plugin.markers import hookimpl
+    from torchrig.plugin.types import LaunchPlan
     from torchrig.testing import make_host
-    from torchrig.types import LaunchPlan
 
     class EnvPlugin:
         @hookimpl
@@ -479,7 +479,7 @@ def test_a_restart_gets_a_fresh_master_port_and_succeeds(tmp_path, process_guard
 
 
 def _ddp_available() -> bool:
-    from torchrig.plugin_host import PluginStatus
+    from torchrig.host.plugin_host import PluginStatus
     from torchrig.testing import make_host
 
     try:

@@ -45,7 +45,7 @@ def test_include_buffers_puts_buffers_on_meta_too(monkeypatch):
 
 
 def test_init_on_device_keeps_parameter_class_and_flags():
-    from torchrig.meta_device import init_on_device
+    from torchrig.training.meta_device import init_on_device
 
     class Tagged(nn.Parameter):
         pass
@@ -62,7 +62,7 @@ def test_init_on_device_keeps_parameter_class_and_flags():
 
 
 def test_register_parameter_is_restored_even_when_the_block_raises():
-    from torchrig.meta_device import init_empty_weights
+    from torchrig.training.meta_device import init_empty_weights
 
     original = nn.Module.register_parameter
     with pytest.raises(RuntimeError, match="construction failed"), init_empty_weights():

@@ -24,7 +24,7 @@ import pytest
 import tomllib
 from torchrig.cli.main import main
 from torchrig.cli.new_plugin import render
-from torchrig.kinds import PluginKind
+from torchrig.plugin.kinds import PluginKind
 
 KINDS = [kind.value for kind in PluginKind]
 

@@ -152,7 +152,7 @@ def test_accelerate_file_keys_and_names_map_onto_the_section(host, tmp_path):
 
 
 def test_accelerator_arguments_take_the_object_a_mapping_or_the_tp_plugin(host):
-    from torchrig.accelerator import accelerator_arguments
+    from torchrig.accelerator.accelerator import accelerator_arguments
 
     schema = Schema(host)
     assert accelerator_arguments(schema, torch_tp_plugin=TorchTensorParallelPlugin(tp_size=2)) == {

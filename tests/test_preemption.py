@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torchrig import Accelerator, preemption
+from torchrig import Accelerator
 from torchrig.config.options import ProjectConfiguration
 from torchrig.config.resolve import resolve_config
 from torchrig.errors import ConfigError
 from torchrig.launch.status import RUN_STATUS_FILE
+from torchrig.resilience import preemption
 from torchrig.testing import make_host
 
 SCRIPT = Path(__file__).parent / "preemption_scripts" / "preemptible_train.py"

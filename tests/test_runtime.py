@@ -10,11 +10,11 @@ import textwrap
 import pytest
 import torch
 from torchrig import hookimpl
-from torchrig.hookspecs import HOOK_API_VERSION
-from torchrig.manifest import PluginManifest
-from torchrig.runtime import build_step_plan, start_run
+from torchrig.host.runtime import build_step_plan, start_run
+from torchrig.plugin.hookspecs import HOOK_API_VERSION
+from torchrig.plugin.manifest import PluginManifest
+from torchrig.plugin.types import Capabilities
 from torchrig.testing import HookRecorder, make_host, plugin_distribution
-from torchrig.types import Capabilities
 
 
 class OwnsEverythingManifest(PluginManifest):
@@ -155,7 +155,7 @@ def test_single_strategy_refuses_a_multi_process_job():
     class TwoRanks:
         @hookimpl(tryfirst=True)
         def torchrig_detect_cluster(self, environ):
-            from torchrig.types import ClusterInfo
+            from torchrig.plugin.types import ClusterInfo
 
             return ClusterInfo(rank=1, world_size=2, local_rank=1, local_world_size=2)
 
@@ -170,7 +170,7 @@ def test_single_strategy_refuses_a_multi_process_job():
 
 
 def test_step_plan_rejects_unknown_slots_and_non_callables():
-    from torchrig.step_plan import StepPlanBuilder
+    from torchrig.training.step_plan import StepPlanBuilder
 
     builder = StepPlanBuilder()
     with pytest.raises(KeyError, match="unknown step plan slot 'backwards'"):
@@ -186,7 +186,7 @@ def test_a_run_still_alive_at_interpreter_exit_is_unconfigured_once(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         from torchrig import hookimpl
-        from torchrig.runtime import end_run, start_run
+        from torchrig.host.runtime import end_run, start_run
         from torchrig.testing import make_host
 
         class Releases:

@@ -7,8 +7,8 @@ import inspect
 
 import pytest
 import torchrig.testing
+from torchrig.plugin.types import ClusterInfo
 from torchrig.testing import ClusterContract, PrecisionContract, StrategyContract, tiny_run
-from torchrig.types import ClusterInfo
 
 
 @pytest.mark.parametrize("name", torchrig.testing.__all__)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchrig import Accelerator
 from torchrig.config.options import ThroughputMonitorConfig
-from torchrig.throughput import (
+from torchrig.tracking.throughput import (
     PEAK_FLOPS,
     Reading,
     estimate_flops_per_token,

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
-from torchrig.unprepared import UnpreparedParameterWarning, graph_parameters
+from torchrig.training.unprepared import UnpreparedParameterWarning, graph_parameters
 
 pytestmark = pytest.mark.multiprocess
 

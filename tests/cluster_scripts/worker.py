@@ -19,8 +19,8 @@ import sys
 import torch
 import torch.distributed as dist
 from torchrig import Accelerator, InitProcessGroupKwargs
+from torchrig.distributed.process_group import ADOPTED_GROUP, release_groups_at_exit
 from torchrig.errors import ConfigError
-from torchrig.process_group import ADOPTED_GROUP, release_groups_at_exit
 
 
 def train_one_step(accelerator: Accelerator) -> dict:

@@ -2,6 +2,26 @@
 
 Top-level names are resolved lazily (PEP 562), so ``import torchrig`` costs almost nothing and
 ``torchrig --help`` never imports torch; a name is imported the first time it is used.
+
+What lives at the top level of the package (docs/architecture.md, "The top level"; tests/test_layers.py
+keeps it so), and nothing else:
+
+* **Concept packages**, each a noun a newcomer can name: ``accelerator`` (the user API and its parts),
+  ``plugin`` (what a plugin is made of: the hook contract, markers, manifest, data types), ``host``
+  (discovering, registering and assembling plugins into a run), ``config``, ``distributed``, ``training``,
+  ``data``, ``checkpoint``, ``tracking``, ``resilience``, ``estimate``, ``launch``, ``cli``, ``builtins``
+  (the core's own plugins), ``defaults`` (its default hook implementations), ``compat`` (Accelerate's
+  names), ``testing`` and ``utils``. A new concept gets a package, never a family of prefixed modules.
+* **Accelerate's module paths** that the rename rule (``accelerate`` -> ``torchrig``) needs:
+  ``state``, ``checkpointing``, ``data_loader``, ``launchers``, ``big_modeling``, ``local_sgd``,
+  ``logging``, ``optimizer``, ``scheduler`` (and the packages ``utils``, ``tracking``, ``accelerator``).
+  Such a module holds its code when that code is the whole concept (``optimizer``, ``scheduler``,
+  ``logging``, ``local_sgd``); otherwise it is a thin mirror whose names resolve from the declared table
+  in :mod:`torchrig.compat.accelerate_names`.
+* ``errors``, which users and plugins both catch, and the package's own files (``__main__``, ``_version``).
+
+Plugin authors import from :mod:`torchrig.plugin`; paths that moved in 0.2 stay importable for one
+release (:mod:`torchrig.compat.moved_modules`, docs/changelog.md).
 """
 
 from __future__ import annotations
@@ -12,11 +32,15 @@ import os as _os
 from typing import TYPE_CHECKING, Any
 
 from torchrig._version import __version__
+from torchrig.compat.moved_modules import install as _install_moved_modules
+
+# The module paths of 0.1 (torchrig.host.run, torchrig.distributed.process...) stay importable for one release.
+_install_moved_modules()
 
 if _os.environ.get("TORCHRIG_PREEMPTION__SIGNALS"):
     # A scheduler's warning that arrives before the Accelerator exists is kept for its first step
     # boundary, not fatal (docs/preemption.md); torch-free, a few signal.signal calls.
-    from torchrig.preemption import install_from_environment as _install_preemption_handlers
+    from torchrig.resilience.preemption import install_from_environment as _install_preemption_handlers
 
     _install_preemption_handlers()
 
@@ -25,31 +49,31 @@ _LAZY: dict[str, str] = {
     # the user API
     "Accelerator": "torchrig.accelerator",
     # Accelerate has it only in accelerate.state; scripts reach for it beside PartialState
-    "AcceleratorState": "torchrig.process",
+    "AcceleratorState": "torchrig.distributed.process",
     # plugin API
-    "hookimpl": "torchrig.markers",
-    "hookspec": "torchrig.markers",
-    "HOOK_API_VERSION": "torchrig.hookspecs",
-    "PluginManifest": "torchrig.manifest",
-    "PluginHost": "torchrig.plugin_host",
-    "PluginKind": "torchrig.kinds",
-    "PluginStatus": "torchrig.plugin_host",
-    "RunContext": "torchrig.run",
-    "StepPlan": "torchrig.step_plan",
-    "StepPlanBuilder": "torchrig.step_plan",
-    "DeviceBackend": "torchrig.device",
-    "Collectives": "torchrig.collectives",
-    "Tracker": "torchrig.tracker",
+    "hookimpl": "torchrig.plugin.markers",
+    "hookspec": "torchrig.plugin.markers",
+    "HOOK_API_VERSION": "torchrig.plugin.hookspecs",
+    "PluginManifest": "torchrig.plugin.manifest",
+    "PluginHost": "torchrig.host.plugin_host",
+    "PluginKind": "torchrig.plugin.kinds",
+    "PluginStatus": "torchrig.host.plugin_host",
+    "RunContext": "torchrig.host.run",
+    "StepPlan": "torchrig.training.step_plan",
+    "StepPlanBuilder": "torchrig.training.step_plan",
+    "DeviceBackend": "torchrig.distributed.device",
+    "Collectives": "torchrig.distributed.collectives",
+    "Tracker": "torchrig.plugin.tracker",
     # data types exchanged through hooks
-    "Capabilities": "torchrig.types",
-    "CliFlag": "torchrig.types",
-    "ClusterInfo": "torchrig.types",
-    "ConfigProblem": "torchrig.types",
-    "ConfigSection": "torchrig.types",
-    "LaunchPlan": "torchrig.types",
-    "PreparedModel": "torchrig.types",
-    "Stash": "torchrig.types",
-    "StashKey": "torchrig.types",
+    "Capabilities": "torchrig.plugin.types",
+    "CliFlag": "torchrig.plugin.types",
+    "ClusterInfo": "torchrig.plugin.types",
+    "ConfigProblem": "torchrig.plugin.types",
+    "ConfigSection": "torchrig.plugin.types",
+    "LaunchPlan": "torchrig.plugin.types",
+    "PreparedModel": "torchrig.plugin.types",
+    "Stash": "torchrig.plugin.types",
+    "StashKey": "torchrig.plugin.types",
     # configuration (Accelerate's names)
     "DataLoaderConfiguration": "torchrig.config.options",
     "ProjectConfiguration": "torchrig.config.options",
@@ -113,8 +137,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.accelerator import Accelerator
-    from torchrig.collectives import Collectives
-    from torchrig.device import DeviceBackend
+    from torchrig.distributed.collectives import Collectives
+    from torchrig.distributed.device import DeviceBackend
     from torchrig.errors import (
         ConfigError,
         PluginAPIVersionError,
@@ -125,15 +149,14 @@ if TYPE_CHECKING:  # pragma: no cover
         PluginNotFoundError,
         TorchrigError,
     )
-    from torchrig.hookspecs import HOOK_API_VERSION
-    from torchrig.kinds import PluginKind
-    from torchrig.manifest import PluginManifest
-    from torchrig.markers import hookimpl, hookspec
-    from torchrig.plugin_host import PluginHost, PluginStatus
-    from torchrig.run import RunContext
-    from torchrig.step_plan import StepPlan, StepPlanBuilder
-    from torchrig.tracker import Tracker
-    from torchrig.types import (
+    from torchrig.host.plugin_host import PluginHost, PluginStatus
+    from torchrig.host.run import RunContext
+    from torchrig.plugin.hookspecs import HOOK_API_VERSION
+    from torchrig.plugin.kinds import PluginKind
+    from torchrig.plugin.manifest import PluginManifest
+    from torchrig.plugin.markers import hookimpl, hookspec
+    from torchrig.plugin.tracker import Tracker
+    from torchrig.plugin.types import (
         Capabilities,
         CliFlag,
         ClusterInfo,
@@ -144,3 +167,4 @@ if TYPE_CHECKING:  # pragma: no cover
         Stash,
         StashKey,
     )
+    from torchrig.training.step_plan import StepPlan, StepPlanBuilder

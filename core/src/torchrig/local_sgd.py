@@ -3,7 +3,7 @@ their parameters every ``local_sgd_steps`` steps instead of all-reducing gradien
 
 Averaging parameters in place only makes sense when every rank holds every parameter in full, so
 the context refuses strategies whose declared capabilities say otherwise
-(:attr:`torchrig.types.Capabilities.replicated_parameters` is False: FSDP, DeepSpeed ZeRO), whatever
+(:attr:`torchrig.plugin.types.Capabilities.replicated_parameters` is False: FSDP, DeepSpeed ZeRO), whatever
 their name. Between averages the model runs inside ``accelerator.no_sync``: no gradient communication.
 """
 

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from torchrig.compat.resolve import module_attributes
-from torchrig.gradient_state import GradientState
-from torchrig.nested import send_to_device
-from torchrig.step_plan import StepPlan
+from torchrig.distributed.nested import send_to_device
+from torchrig.training.gradient_state import GradientState
+from torchrig.training.step_plan import StepPlan
 
 
 def move_to_device(state: Any, device: Any) -> Any:

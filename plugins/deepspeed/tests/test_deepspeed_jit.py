@@ -117,7 +117,7 @@ def test_build_deepspeed_ops_compiles_the_op_a_run_would_compile_and_then_skips_
 
 
 def test_the_watcher_reports_a_stalled_lock_once_and_clears_it_when_the_wait_ends(tmp_path):
-    from torchrig import run_status
+    from torchrig.resilience import run_status
     from torchrig_deepspeed.jit_ops import LockWatcher
 
     busy, stuck = tmp_path / "busy_op", tmp_path / "stuck_op"

@@ -15,8 +15,8 @@ from torchrig import Accelerator
 from torchrig.cli.main import main
 from torchrig.config.options import TorchDynamoPlugin
 from torchrig.errors import ConfigError
+from torchrig.plugin.types import Capabilities
 from torchrig.testing.effects import assert_compiled, assert_modules_converted, count_compilation, record_forward_dtypes
-from torchrig.types import Capabilities
 from torchrig_fp8.convert import conversion_report, convert_model_to_fp8_ao, has_ao_layers
 from torchrig_fp8.options import AORecipeKwargs, FP8RecipeKwargs
 from torchrig_fp8.precision import Float8Precision

@@ -237,7 +237,7 @@ def _ring_attention_on_cpu(ctx):
     buffers sharded head-tail and restored, the guard installed over torch's SDPA and removed, refusals
     raised inside the real context, and leaving it without an SDPA call refused."""
     from torchrig import Accelerator
-    from torchrig.context_parallel import AttentionGuard, ring_attention
+    from torchrig.accelerator.context_parallel import AttentionGuard, ring_attention
     from torchrig.errors import ConfigError
 
     sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -81,7 +81,7 @@ def _train(config: dict) -> None:
     import torch.distributed as dist
     import torchrig_ray.report
     from torchrig import Accelerator, ProjectConfiguration
-    from torchrig.process_group import ADOPTED_GROUP
+    from torchrig.distributed.process_group import ADOPTED_GROUP
 
     context = ray.train.get_context()
     group_before = dist.group.WORLD  # Ray created it before calling us

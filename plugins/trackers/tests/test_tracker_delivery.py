@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrig import Accelerator, ConfigError, Tracker, run_status
-from torchrig.tracker import flatten
+from torchrig import Accelerator, ConfigError, Tracker
+from torchrig.plugin.tracker import flatten
+from torchrig.resilience import run_status
 from torchrig_trackers.files import CSVTracker, JSONLTracker
 from torchrig_trackers.mlflow_tracker import MLflowTracker
 from torchrig_trackers.tensorboard_tracker import TensorBoardTracker

@@ -23,8 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torchrig import Accelerator, PluginImportError, Tracker, tracker_lane, tracking
+from torchrig import Accelerator, PluginImportError, Tracker
 from torchrig.testing.contracts import TrackerContract, rank_environment
+from torchrig.tracking import hub as tracking
+from torchrig.tracking import lane as tracker_lane
 
 SCRIPTS = Path(__file__).parent / "tracker_scripts"
 STEPS = 12

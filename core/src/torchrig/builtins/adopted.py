@@ -20,7 +20,7 @@ train.py`` (one process per pod, no ``LOCAL_RANK``) was read as one process; ``e
 rank ``RANK`` of ``WORLD_SIZE`` with one process per node. A PyTorchJob that runs ``torchrun``
 instead is torchelastic's (torchrun sets the full set). ``process_group`` is last among the real
 environments: when variables describe the process, their plugin answers and the core checks the
-existing group against that answer (:mod:`torchrig.process_group`); only when nothing describes
+existing group against that answer (:mod:`torchrig.distributed.process_group`); only when nothing describes
 it (``dist.init_process_group`` on a ``FileStore`` with no variables) does the group itself say
 where the process sits. Nothing here imports torch: ``process_group`` looks only at a
 ``torch.distributed`` that the process imported already.
@@ -32,8 +32,8 @@ import sys
 from collections.abc import Mapping
 
 from torchrig.builtins.clusters import _check_ranks, _int_var, _port_var
-from torchrig.markers import hookimpl
-from torchrig.types import ClusterInfo
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import ClusterInfo
 
 #: torch's ``env://`` rendezvous variables: what a Kubeflow PyTorchJob sets in every pod.
 ENV_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -56,8 +56,8 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 
 from torchrig.builtins.handoff import mpirun_command, srun_command
-from torchrig.markers import hookimpl
-from torchrig.types import ClusterInfo, LaunchPlan
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import ClusterInfo, LaunchPlan
 
 # --------------------------------------------------------------------------------------------
 # torchelastic

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from torchrig.device import DeviceBackend
-from torchrig.markers import hookimpl
-from torchrig.run import RunContext
+from torchrig.distributed.device import DeviceBackend
+from torchrig.host.run import RunContext
+from torchrig.plugin.markers import hookimpl
 
 
 class CPUBackend(DeviceBackend):

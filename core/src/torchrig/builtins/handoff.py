@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from torchrig.config.schema import CoercionError, at_least, between, option
-from torchrig.types import LaunchPlan
+from torchrig.plugin.types import LaunchPlan
 
 PROG = "torchrig launch"
 #: ``run_status.json``'s state after ``--cluster slurm`` submitted the job (Slurm runs it later).

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torchrig.builtins.device_presence import cuda_absence, mps_absence
 from torchrig.builtins.handoff import MPIOptions, SlurmOptions
-from torchrig.hookspecs import HOOK_API_VERSION
-from torchrig.manifest import PluginManifest
-from torchrig.types import ConfigSection
+from torchrig.plugin.hookspecs import HOOK_API_VERSION
+from torchrig.plugin.manifest import PluginManifest
+from torchrig.plugin.types import ConfigSection
 
 
 class SINGLE(PluginManifest):

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from torchrig.markers import hookimpl
-from torchrig.run import RunContext
-from torchrig.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_autocast, install_loss_scaling
+from torchrig.host.run import RunContext
+from torchrig.plugin.markers import hookimpl
+from torchrig.training.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_autocast, install_loss_scaling
 
 
 class PrecisionPlugin:

@@ -4,9 +4,9 @@ would silently train its own model."""
 
 from __future__ import annotations
 
-from torchrig.markers import hookimpl
-from torchrig.run import RunContext
-from torchrig.types import Capabilities
+from torchrig.host.run import RunContext
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import Capabilities
 
 
 class SingleProcessStrategy:

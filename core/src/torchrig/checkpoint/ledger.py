@@ -14,10 +14,10 @@ from typing import Any
 
 import attrs
 
-from torchrig.gradient_state import GradientState
-from torchrig.plugin_host import PluginHost
-from torchrig.run import RunContext
-from torchrig.types import PreparedModel
+from torchrig.host.plugin_host import PluginHost
+from torchrig.host.run import RunContext
+from torchrig.plugin.types import PreparedModel
+from torchrig.training.gradient_state import GradientState
 
 
 @attrs.define(eq=False)

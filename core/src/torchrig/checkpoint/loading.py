@@ -23,7 +23,7 @@ from torchrig.logging import get_logger
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.checkpoint.ledger import CheckpointLedger
-    from torchrig.collectives import Collectives
+    from torchrig.distributed.collectives import Collectives
 
 _PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
 logger = get_logger(__name__)

@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from torchrig import run_status
 from torchrig._version import __version__
 from torchrig.checkpoint import faults, layout, loading, temporaries, topology
 from torchrig.checkpoint.files import (
@@ -53,9 +52,10 @@ from torchrig.checkpoint.pending import PendingSave
 from torchrig.checkpoint.state import capture_rng, describe_dataloader, digest, fingerprint_config
 from torchrig.checkpoint.state_dicts import save_structured
 from torchrig.checkpoint.trust import check_loadable
-from torchrig.collectives import Collectives
 from torchrig.config.resolve import Schema
+from torchrig.distributed.collectives import Collectives
 from torchrig.logging import get_logger
+from torchrig.resilience import run_status
 
 logger = get_logger(__name__)
 

@@ -27,8 +27,8 @@ from torchrig.checkpoint.trust import check_loadable
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.checkpoint.files import CheckpointWriter
-    from torchrig.run import RunContext
-    from torchrig.types import PreparedModel
+    from torchrig.host.run import RunContext
+    from torchrig.plugin.types import PreparedModel
 
 #: safetensors metadata key of ``{alias: kept name}`` for tensors written once (tied weights).
 ALIASES_KEY = "torchrig_aliases"

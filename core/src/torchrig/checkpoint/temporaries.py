@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from torchrig.checkpoint.files import fsync_path
-from torchrig.liveness import process_is_alive
+from torchrig.resilience.liveness import process_is_alive
 
 OWNER_SUFFIX = ".owner"
 HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|deleting|replaced)-(?P<token>[0-9a-f]+)$")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torchrig.run import RunContext
+    from torchrig.host.run import RunContext
 
 
 def current(run: RunContext) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from typing import Any
 
 import attrs
 
-from torchrig.discovery import installed_distributions, load_reference
 from torchrig.errors import TorchrigError
+from torchrig.host.discovery import installed_distributions, load_reference
 
 GROUP = "torchrig.commands"
 

@@ -24,7 +24,7 @@ from torchrig.config.flags import add_config_flags, collect_flags, flag_values
 from torchrig.config.readers import CONFIG_FILE_ENV
 from torchrig.config.resolve import ResolvedConfig, Schema, default_config_path, resolve_config
 from torchrig.errors import ConfigError
-from torchrig.plugin_host import PluginHost, PluginStatus
+from torchrig.host.plugin_host import PluginHost, PluginStatus
 
 
 def build_config_parser(schema: Schema) -> tuple[argparse.ArgumentParser, dict[str, Any], dict[str, Any]]:

@@ -23,8 +23,8 @@ from torchrig._version import __version__
 from torchrig.builtins.device_presence import cuda_absence, torch_build
 from torchrig.cli.plugins import listing
 from torchrig.config.resolve import accelerate_default_config_path, default_config_path
-from torchrig.discovery import installed_distributions, normalize_distribution_name
-from torchrig.plugin_host import PluginHost
+from torchrig.host.discovery import installed_distributions, normalize_distribution_name
+from torchrig.host.plugin_host import PluginHost
 
 #: Environment variables that change how torchrig, torch.distributed or Hugging Face libraries behave.
 _RELEVANT_ENV_PREFIXES = ("TORCHRIG_", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_", "MASTER_", "DS_ACCELERATOR",

@@ -3,8 +3,8 @@
 The configuration is resolved as ``torchrig launch`` resolves it (config file, ``TORCHRIG_*``
 variables, the same flags), so ``torchrig estimate-memory gpt2 --num_processes 8 --use_deepspeed
 --zero_stage 3 --mixed_precision bf16`` sizes exactly what that launch would run. The model is
-built on the meta device (:mod:`torchrig.memory_model`); the selected strategy's manifest answers
-:func:`~torchrig.hookspecs.torchrig_estimate_memory`, the core's default when it does not. The
+built on the meta device (:mod:`torchrig.estimate.memory_model`); the selected strategy's manifest answers
+:func:`~torchrig.plugin.hookspecs.torchrig_estimate_memory`, the core's default when it does not. The
 components are summed per rank. ``--help`` imports no torch.
 """
 
@@ -20,9 +20,16 @@ from torchrig.config.flags import add_config_flags, collect_flags, flag_values
 from torchrig.config.readers import CONFIG_FILE_ENV
 from torchrig.config.resolve import ResolvedConfig, Schema, resolve_config
 from torchrig.errors import TorchrigError
+from torchrig.estimate.memory import (
+    OPTIMIZERS,
+    MemoryEstimate,
+    MemoryRequest,
+    ModelFootprint,
+    format_bytes,
+    format_estimate,
+)
+from torchrig.host.plugin_host import DEFAULTS_NAME, PluginHost
 from torchrig.launch.cli import work_out_layout
-from torchrig.memory import OPTIMIZERS, MemoryEstimate, MemoryRequest, ModelFootprint, format_bytes, format_estimate
-from torchrig.plugin_host import DEFAULTS_NAME, PluginHost
 
 PROG = "torchrig estimate-memory"
 DESCRIPTION = """\
@@ -137,7 +144,7 @@ def _configurations(host: PluginHost, args: argparse.Namespace, flags: dict[str,
 
 
 def _footprint(args: argparse.Namespace) -> ModelFootprint:
-    from torchrig.memory_model import build_on_meta, footprint, resolve_model  # torch: not for --help
+    from torchrig.estimate.memory_model import build_on_meta, footprint, resolve_model  # torch: not for --help
 
     name, build = resolve_model(args.model)
     model = build_on_meta(build, args.model)

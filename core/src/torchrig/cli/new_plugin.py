@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 from torchrig._version import __version__
 from torchrig.errors import TorchrigError
-from torchrig.kinds import PluginKind
+from torchrig.plugin.kinds import PluginKind
 
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
@@ -177,7 +177,7 @@ class Test${cls}Contract(StrategyContract):
 
 It sets the ``autocast`` slot of the step plan once, at prepare; the training step then calls
 the plain callable (no hook call per step). A precision that scales the loss also wraps
-``backward``, ``unscale_gradients`` and ``optimizer_step`` (see ``torchrig.step_plan``).
+``backward``, ``unscale_gradients`` and ``optimizer_step`` (see ``torchrig.training.step_plan``).
 """
 
 from __future__ import annotations
@@ -351,7 +351,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrig import RunContext, Tracker, hookimpl
-from torchrig.tracker import as_scalar, flatten
+from torchrig.plugin.tracker import as_scalar, flatten
 $options_import
 
 class ${cls}Tracker(Tracker):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import sys
 
-from torchrig.plugin_host import PluginHost, PluginInfo, PluginStatus
-from torchrig.runtime import DEFAULT_PRECISION, DEFAULT_STRATEGY
+from torchrig.host.plugin_host import PluginHost, PluginInfo, PluginStatus
+from torchrig.host.runtime import DEFAULT_PRECISION, DEFAULT_STRATEGY
 
 #: What a run selects when the configuration says nothing (auto-detected kinds aside).
 DEFAULT_SELECTION = {f"strategy:{DEFAULT_STRATEGY}", f"precision:{DEFAULT_PRECISION}"}

@@ -1,7 +1,7 @@
-"""``torchrig test``: launch the sanity script (:mod:`torchrig.selftest`) with the current
+"""``torchrig test``: launch the sanity script (:mod:`torchrig.cli.selftest`) with the current
 configuration and say plainly what works on this machine.
 
-It is ``torchrig launch [flags] -m torchrig.selftest``: every launch flag and config source
+It is ``torchrig launch [flags] -m torchrig.cli.selftest``: every launch flag and config source
 applies, so ``torchrig test --num_processes 2 --strategy fsdp`` checks exactly what a training
 script launched with those flags would get. Torch-free until the launcher starts the workers.
 """
@@ -15,12 +15,12 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from torchrig.host.plugin_host import PluginHost
 from torchrig.launch.cli import PROG as LAUNCH_PROG
 from torchrig.launch.cli import UsageError, build_parser, run_launch, split_argv
-from torchrig.plugin_host import PluginHost
 
 PROG = "torchrig test"
-SELFTEST_MODULE = "torchrig.selftest"
+SELFTEST_MODULE = "torchrig.cli.selftest"
 DESCRIPTION = f"""\
 Run a short sanity training with the current configuration: the Accelerator starts with the
 selected plugins, collectives agree across ranks, a tiny model trains and ends identical on every

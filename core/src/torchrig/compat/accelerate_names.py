@@ -102,14 +102,14 @@ UTILS_DATACLASSES: dict[str, Target] = {
     "ProfileKwargs": "torchrig.config.options:ProfileKwargs",
     "ProjectConfiguration": "torchrig.config.options:ProjectConfiguration",
     "TorchDynamoPlugin": "torchrig.config.options:TorchDynamoPlugin",
-    "ComputeEnvironment": "torchrig.enums:ComputeEnvironment",
-    "CustomDtype": "torchrig.enums:CustomDtype",
-    "DistributedType": "torchrig.enums:DistributedType",
-    "DynamoBackend": "torchrig.enums:DynamoBackend",
-    "LoggerType": "torchrig.enums:LoggerType",
-    "PrecisionType": "torchrig.enums:PrecisionType",
-    "RNGType": "torchrig.enums:RNGType",
-    "TensorInformation": "torchrig.nested:TensorInformation",
+    "ComputeEnvironment": "torchrig.compat.enums:ComputeEnvironment",
+    "CustomDtype": "torchrig.compat.enums:CustomDtype",
+    "DistributedType": "torchrig.compat.enums:DistributedType",
+    "DynamoBackend": "torchrig.compat.enums:DynamoBackend",
+    "LoggerType": "torchrig.compat.enums:LoggerType",
+    "PrecisionType": "torchrig.compat.enums:PrecisionType",
+    "RNGType": "torchrig.compat.enums:RNGType",
+    "TensorInformation": "torchrig.distributed.nested:TensorInformation",
     "DDPCommunicationHookType": FromPlugin("DDPCommunicationHookType", "torchrig-ddp (pip install torchrig)"),
     "DistributedDataParallelKwargs": FromPlugin("DistributedDataParallelKwargs", "torchrig-ddp (pip install torchrig)"),
     "DeepSpeedPlugin": FromPlugin("DeepSpeedPlugin", "pip install 'torchrig[deepspeed]'"),
@@ -174,7 +174,7 @@ UTILS_OFFLOAD: dict[str, Target] = {name: BIG_MODEL_INFERENCE for name in (
     "offload_state_dict", "offload_weight", "save_offload_index")}
 
 UTILS_OPERATIONS: dict[str, Target] = {
-    name: f"torchrig.nested:{name}" for name in (
+    name: f"torchrig.distributed.nested:{name}" for name in (
         "CannotPadNestedTensorWarning", "concatenate", "convert_outputs_to_fp32", "convert_to_fp32", "find_batch_size",
         "find_device", "get_data_structure", "honor_type", "ignorant_find_batch_size", "initialize_tensors",
         "is_namedtuple", "is_tensor_information", "is_torch_tensor", "listify", "pad_input_tensors",
@@ -240,12 +240,12 @@ UTILS_OTHER: dict[str, Target] = {
     "model_has_dtensor": "torchrig.utils.modeling:model_has_dtensor",
     "get_model_tp_size": "torchrig.utils.modeling:get_model_tp_size",
     "recursive_getattr": "torchrig.utils.modeling:recursive_getattr",
-    "compile_regions": "torchrig.compile:compile_regions",
-    "has_compiled_regions": "torchrig.compile:has_compiled_regions",
-    "is_compiled_module": "torchrig.compile:is_compiled_module",
+    "compile_regions": "torchrig.training.compile:compile_regions",
+    "has_compiled_regions": "torchrig.training.compile:has_compiled_regions",
+    "is_compiled_module": "torchrig.training.compile:is_compiled_module",
     "convert_bytes": "torchrig.utils.memory:convert_bytes",
     "get_pretty_name": "torchrig.logging:get_pretty_name",
-    "merge_dicts": "torchrig.nested:merge_dicts",
+    "merge_dicts": "torchrig.distributed.nested:merge_dicts",
     "load": "torchrig.utils.serialization:load",
     "save": "torchrig.utils.serialization:save",
     "wait_for_everyone": "torchrig.utils.operations:wait_for_everyone",
@@ -305,9 +305,9 @@ UTILS.update(UTILS_MISC)
 
 TOP_LEVEL: dict[str, Target] = {
     "Accelerator": "torchrig.accelerator:Accelerator",
-    "PartialState": "torchrig.process:PartialState",
-    "init_empty_weights": "torchrig.meta_device:init_empty_weights",
-    "init_on_device": "torchrig.meta_device:init_on_device",
+    "PartialState": "torchrig.distributed.process:PartialState",
+    "init_empty_weights": "torchrig.training.meta_device:init_empty_weights",
+    "init_on_device": "torchrig.training.meta_device:init_on_device",
     "skip_first_batches": "torchrig.data.standalone:skip_first_batches",
     "notebook_launcher": "torchrig.launch.notebook:notebook_launcher",
     "debug_launcher": "torchrig.launch.notebook:debug_launcher",
@@ -339,11 +339,11 @@ LAYERWISE_CASTING = Refused("layerwise storage-dtype casting hooks (diffusers in
                             "diffusers' enable_layerwise_casting()")
 
 STATE: dict[str, Target] = {
-    "PartialState": "torchrig.process:PartialState",
-    "AcceleratorState": "torchrig.process:AcceleratorState",
-    "GradientState": "torchrig.gradient_state:GradientState",
-    "is_initialized": "torchrig.process:is_initialized",
-    "do_nothing": "torchrig.process:do_nothing",
+    "PartialState": "torchrig.distributed.process:PartialState",
+    "AcceleratorState": "torchrig.distributed.process:AcceleratorState",
+    "GradientState": "torchrig.training.gradient_state:GradientState",
+    "is_initialized": "torchrig.distributed.process:is_initialized",
+    "do_nothing": "torchrig.distributed.process:do_nothing",
     "ThreadLocalSharedDict": STATE_INTERNAL,
     "SharedDict": STATE_INTERNAL,
     **_same_as(UTILS, "DistributedType", "DynamoBackend", "GradientAccumulationPlugin", "SageMakerDistributedType",
@@ -382,8 +382,8 @@ LAUNCHERS: dict[str, Target] = {
 }
 
 BIG_MODELING: dict[str, Target] = {
-    "init_empty_weights": "torchrig.meta_device:init_empty_weights",
-    "init_on_device": "torchrig.meta_device:init_on_device",
+    "init_empty_weights": "torchrig.training.meta_device:init_empty_weights",
+    "init_on_device": "torchrig.training.meta_device:init_on_device",
     "attach_layerwise_casting_hooks": LAYERWISE_CASTING,
     "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING": LAYERWISE_CASTING,
     **{name: BIG_MODEL_INFERENCE for name in (
@@ -446,9 +446,9 @@ SCHEDULER: dict[str, Target] = {
 }
 
 TRACKING: dict[str, Target] = {
-    "GeneralTracker": "torchrig.tracking:Tracker",
-    "on_main_process": "torchrig.tracker_helpers:on_main_process",
-    "get_available_trackers": "torchrig.tracker_helpers:get_available_trackers",
+    "GeneralTracker": "torchrig.tracking.hub:Tracker",
+    "on_main_process": "torchrig.tracking.helpers:on_main_process",
+    "get_available_trackers": "torchrig.tracking.helpers:get_available_trackers",
     **{name: _tracker(name) for name in (
         "TensorBoardTracker", "WandBTracker", "MLflowTracker", "TrackioTracker", "CometMLTracker", "AimTracker",
         "ClearMLTracker", "DVCLiveTracker", "SwanLabTracker")},

@@ -7,8 +7,8 @@ from typing import Any
 
 from torchrig.compat.accelerate_names import TABLE
 from torchrig.compat.targets import FromPlugin, Refused, RefusedNameError, Target
-from torchrig.discovery import load_reference
-from torchrig.plugin_host import PluginHost
+from torchrig.host.discovery import load_reference
+from torchrig.host.plugin_host import PluginHost
 
 
 def plugin_export(name: str) -> Any | None:

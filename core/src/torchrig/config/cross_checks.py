@@ -18,8 +18,8 @@ from torchrig.config.resolved import ResolvedConfig
 from torchrig.config.schema import Problem
 from torchrig.config.sections import Schema
 from torchrig.config.sources import Entry, Layer
-from torchrig.plugin_host import PluginHost
-from torchrig.types import ConfigProblem
+from torchrig.host.plugin_host import PluginHost
+from torchrig.plugin.types import ConfigProblem
 
 
 def cross_section_problems(values: Mapping[str, Any], winners: Mapping[str, Entry], problems: list[Problem]) -> None:

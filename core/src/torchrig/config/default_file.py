@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from torchrig.config.resolve import default_config_path, resolve_config
-from torchrig.plugin_host import PluginHost, PluginStatus
+from torchrig.host.plugin_host import PluginHost, PluginStatus
 
 
 def default_distributed_strategy(host: PluginHost) -> str | None:

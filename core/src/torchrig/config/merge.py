@@ -18,7 +18,7 @@ from torchrig.config.readers import location_of
 from torchrig.config.schema import CoercionError, Problem, build_options, coerce, suggest
 from torchrig.config.sections import Schema
 from torchrig.config.sources import Entry, Layer, Source
-from torchrig.plugin_host import PluginStatus
+from torchrig.host.plugin_host import PluginStatus
 
 
 def defaults_layer(schema: Schema, sections: Iterable[str]) -> dict[str, Entry]:

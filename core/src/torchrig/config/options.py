@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 
 from torchrig.config.schema import at_least, between, option
-from torchrig.tracker import Tracker  # Accelerator(log_with=[MyTracker()]) passes instances
-from torchrig.types import ConfigSection
+from torchrig.plugin.tracker import Tracker  # Accelerator(log_with=[MyTracker()]) passes instances
+from torchrig.plugin.types import ConfigSection
 
 
 def _lower(value: Any) -> Any:

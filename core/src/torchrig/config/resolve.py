@@ -65,7 +65,7 @@ from torchrig.config.schema import Problem
 from torchrig.config.sections import Schema
 from torchrig.config.sources import Entry, Layer, Note, Source
 from torchrig.errors import ConfigError
-from torchrig.plugin_host import PluginHost
+from torchrig.host.plugin_host import PluginHost
 
 DEFAULT_FILE_NAME = "default_config.yaml"
 

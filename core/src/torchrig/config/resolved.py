@@ -16,7 +16,7 @@ import attrs
 from torchrig.config.options import CoreOptions
 from torchrig.config.sections import options_reference
 from torchrig.config.sources import Layer, Note, Source
-from torchrig.types import ConfigSection
+from torchrig.plugin.types import ConfigSection
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """Which configuration keys exist: the core's options and every installed plugin's section.
 
 A section declares its options class directly or as a ``module:Class`` reference
-(:class:`~torchrig.types.ConfigSection`). A referenced class is imported only when a run uses
+(:class:`~torchrig.plugin.types.ConfigSection`). A referenced class is imported only when a run uses
 its section — a source sets one of its keys, or the selected plugin reads it — so a plugin that
 is installed but not used costs a run no import of its options (a start stays as fast with ten
 plugins installed as with one). Listing every key (``torchrig config``, the docs) imports all.
@@ -16,10 +16,10 @@ import attrs
 from torchrig.config import compat
 from torchrig.config.options import CoreOptions
 from torchrig.config.schema import FieldSpec, Problem, field_specs
-from torchrig.discovery import load_reference
 from torchrig.errors import PluginError
-from torchrig.plugin_host import PluginHost
-from torchrig.types import ConfigSection
+from torchrig.host.discovery import load_reference
+from torchrig.host.plugin_host import PluginHost
+from torchrig.plugin.types import ConfigSection
 
 #: Options classes imported from their references, by reference (once per process).
 _LOADED: dict[str, type] = {}

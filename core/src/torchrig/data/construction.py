@@ -17,7 +17,7 @@ from torchrig.data.plan import LOADER_KWARGS, Layout
 from torchrig.data.seeding import SeedableRandomSampler, derive_seed
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torchrig.collectives import Collectives
+    from torchrig.distributed.collectives import Collectives
 
 
 @attrs.frozen

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from torchrig.data.plan import BatchMeta
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torchrig.collectives import Collectives
+    from torchrig.distributed.collectives import Collectives
 
 
 def _rounds(read: Callable[[], Iterator[tuple[Any, BatchMeta]]], world: int) -> Iterator[tuple[list[Any], BatchMeta]]:

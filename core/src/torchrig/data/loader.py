@@ -41,11 +41,11 @@ from torchrig.data.seeding import (
     lent_generator,
     worker_seed,
 )
-from torchrig.gradient_state import GradientState
-from torchrig.nested import send_to_device
+from torchrig.distributed.nested import send_to_device
+from torchrig.training.gradient_state import GradientState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torchrig.collectives import Collectives
+    from torchrig.distributed.collectives import Collectives
 
 
 class PreparedDataLoader:

@@ -7,11 +7,11 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from torchrig.collectives import Collectives
 from torchrig.config.options import DataLoaderConfiguration
 from torchrig.data.loader import PreparedDataLoader
-from torchrig.gradient_state import gradient_state_of
-from torchrig.run import RunContext
+from torchrig.distributed.collectives import Collectives
+from torchrig.host.run import RunContext
+from torchrig.training.gradient_state import gradient_state_of
 
 
 def _data_parallel_layout(run: RunContext) -> tuple[int, int]:

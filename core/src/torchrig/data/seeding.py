@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Sampler
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torchrig.collectives import Collectives
+    from torchrig.distributed.collectives import Collectives
 
 
 _MASK64 = (1 << 64) - 1

@@ -13,9 +13,9 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from torchrig.data.loader import PreparedDataLoader
 from torchrig.data.plan import LOADER_KWARGS
-from torchrig.gradient_state import gradient_state_of
-from torchrig.process import PartialState, world_collectives
-from torchrig.runtime import latest_run
+from torchrig.distributed.process import PartialState, world_collectives
+from torchrig.host.runtime import latest_run
+from torchrig.training.gradient_state import gradient_state_of
 
 
 class SkipBatchSampler(Sampler[list[Any]]):

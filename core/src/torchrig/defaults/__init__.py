@@ -5,9 +5,9 @@ Each family is registered by whoever builds a host that calls its hooks, so no l
 imports a higher one:
 
 * :mod:`~torchrig.defaults.configuration` (``"core:defaults"``, torch-free): every
-  :class:`~torchrig.plugin_host.PluginHost` — configuration, cluster, memory estimate, worker
+  :class:`~torchrig.host.plugin_host.PluginHost` — configuration, cluster, memory estimate, worker
   environment;
-* :mod:`~torchrig.defaults.process` (``"core:process-defaults"``): :func:`torchrig.runtime.start_run`
+* :mod:`~torchrig.defaults.process` (``"core:process-defaults"``): :func:`torchrig.host.runtime.start_run`
   (``PartialState``, the Accelerator) — device, process group, collectives, capabilities;
 * :mod:`~torchrig.defaults.training` (``"core:training-defaults"``): the Accelerator — prepare,
   strategy state, full state dict;

@@ -1,6 +1,6 @@
 """The core's torch-free defaults: configuration sections, cluster, requeue, memory estimate and
 worker environment. Registered as ``"core:defaults"`` by every
-:class:`~torchrig.plugin_host.PluginHost` (the CLI's too, so this module never imports torch)."""
+:class:`~torchrig.host.plugin_host.PluginHost` (the CLI's too, so this module never imports torch)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torchrig.config.options import CORE_SECTIONS
-from torchrig.markers import hookimpl
-from torchrig.types import ClusterInfo, LaunchPlan
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import ClusterInfo, LaunchPlan
 
 if TYPE_CHECKING:
-    from torchrig.memory import MemoryEstimate, MemoryRequest
+    from torchrig.estimate.memory import MemoryEstimate, MemoryRequest
 
 #: The pluggy name of this family (``torchrig config`` calls its sections "the core").
 NAME = "core:defaults"
@@ -38,7 +38,7 @@ class ConfigurationDefaults:
     def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
         # Imported here: only `torchrig estimate-memory` asks, and every run's start would pay
         # for the module's classes otherwise (benchmark B12).
-        from torchrig.memory import replicated_estimate
+        from torchrig.estimate.memory import replicated_estimate
 
         return replicated_estimate(request, request.strategy, f"{request.strategy} (replicated: everything whole)")
 

@@ -1,6 +1,6 @@
 """The core's process defaults: the CPU device, the default process group, collectives and
 replicated capabilities. Registered as ``"core:process-defaults"`` by
-:func:`torchrig.runtime.start_run` (``PartialState`` and the Accelerator start runs through it),
+:func:`torchrig.host.runtime.start_run` (``PartialState`` and the Accelerator start runs through it),
 the first place these hooks are called.
 
 Torch-free to import, like every family of defaults: a host is built for configuration work
@@ -14,10 +14,10 @@ from typing import Any
 
 from torchrig.config.options import InitProcessGroupKwargs
 from torchrig.errors import ConfigError
-from torchrig.markers import hookimpl
-from torchrig.plugin_host import PluginHost
-from torchrig.run import RunContext
-from torchrig.types import Capabilities
+from torchrig.host.plugin_host import PluginHost
+from torchrig.host.run import RunContext
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import Capabilities
 
 #: The pluggy name of this family.
 NAME = "core:process-defaults"
@@ -79,7 +79,7 @@ class ProcessDefaults:
 
     @hookimpl(trylast=True)
     def torchrig_collectives(self, run: RunContext) -> Any:
-        from torchrig.collectives import Collectives  # torch: see the module docstring
+        from torchrig.distributed.collectives import Collectives  # torch: see the module docstring
 
         return Collectives(world_size=run.cluster.world_size)
 

@@ -13,12 +13,12 @@ from typing import Any
 
 from torchrig.checkpoint.files import CheckpointWriter
 from torchrig.defaults import process
-from torchrig.gradient_state import gradient_state_of
-from torchrig.markers import hookimpl
-from torchrig.plugin_host import PluginHost
-from torchrig.run import RunContext
+from torchrig.host.plugin_host import PluginHost
+from torchrig.host.run import RunContext
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import PreparedModel
 from torchrig.scheduler import OptimizerStepScheduler
-from torchrig.types import PreparedModel
+from torchrig.training.gradient_state import gradient_state_of
 
 #: The pluggy name of this family.
 NAME = "core:training-defaults"

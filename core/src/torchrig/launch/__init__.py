@@ -3,7 +3,7 @@
 Modules: :mod:`~torchrig.launch.cli` (flags, validation, the plan), :mod:`~torchrig.launch.worker`
 (the per-rank wrapper), :mod:`~torchrig.launch.supervisor` (each rank's process tree dies with it),
 :mod:`~torchrig.launch.status` (atomic status files; a rank records into its own through
-:mod:`torchrig.run_status`),
+:mod:`torchrig.resilience.run_status`),
 :mod:`~torchrig.launch.summary` (the culprit and ``run_status.json``),
 :mod:`~torchrig.launch.preflight` (ports and addresses), :mod:`~torchrig.launch.dryrun`.
 The default ``torchrig_launch`` implementation is :mod:`torchrig.launch.elastic`.

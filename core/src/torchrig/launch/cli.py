@@ -44,6 +44,7 @@ from torchrig.config.resolve import (
     resolve_config,
 )
 from torchrig.errors import ConfigError, TorchrigError
+from torchrig.host.plugin_host import PluginHost
 from torchrig.launch import held_signals
 from torchrig.launch.accelerate_flags import (
     AppliedFlags,
@@ -55,8 +56,7 @@ from torchrig.launch.accelerate_flags import (
 from torchrig.launch.defaults import launcher_host
 from torchrig.launch.log_folders import DEFAULT_LOG_ROOT, prune_run_folders, where_logs_go
 from torchrig.launch.worker import KILL_GRACE_S, STOP_GRACE_S
-from torchrig.plugin_host import PluginHost
-from torchrig.types import LaunchPlan
+from torchrig.plugin.types import LaunchPlan
 
 PROG = "torchrig launch"
 EXIT_USAGE = 2
@@ -251,7 +251,7 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None, host: Plugi
     signals = list(config.get("preemption.signals") or [])
     worker_command = [sys.executable, "-u", "-m", "torchrig.launch.worker", "--log_dir", log_dir, "--mode", mode,
                       "--launcher_pid", str(os.getpid()), *_stop_graces(args.shutdown_grace, "SIGTERM" in signals),
-                      # recorded by each rank's wrapper from its first instruction (torchrig.preemption)
+                      # recorded by each rank's wrapper from its first instruction (torchrig.resilience.preemption)
                       *(["--preemption_signals", ",".join(signals)] if signals else []),
                       "--", target or "<script>", *target_args]
     plan = LaunchPlan(
@@ -513,8 +513,8 @@ def _check_target(target: str, *, module: bool, no_python: bool) -> None:
 def _select_plugins(host: PluginHost, config: ResolvedConfig) -> None:
     """Register the plugins the configuration selects, so their launch-time hooks
     (``torchrig_worker_environment``, a cluster plugin's ``torchrig_launch``) take part."""
-    from torchrig.kinds import PluginKind
-    from torchrig.runtime import select_plugins
+    from torchrig.host.runtime import select_plugins
+    from torchrig.plugin.kinds import PluginKind
 
     host.select_auto(PluginKind.CLUSTER, only=config.get("cluster") or None)
     select_plugins(host, config)

@@ -3,9 +3,9 @@ Registered as ``"core:launch-defaults"`` by the launcher's host (:func:`launcher
 
 from __future__ import annotations
 
-from torchrig.markers import hookimpl
-from torchrig.plugin_host import PluginHost
-from torchrig.types import LaunchPlan
+from torchrig.host.plugin_host import PluginHost
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import LaunchPlan
 
 #: The pluggy name of this family.
 NAME = "core:launch-defaults"

@@ -18,8 +18,8 @@ from typing import Any, TextIO
 
 from torchrig.config.resolve import ResolvedConfig
 from torchrig.defaults import training as training_defaults
-from torchrig.plugin_host import PluginHost
-from torchrig.types import LaunchPlan
+from torchrig.host.plugin_host import PluginHost
+from torchrig.plugin.types import LaunchPlan
 
 #: (phase, hook) in the order a run meets them.
 PHASES = (

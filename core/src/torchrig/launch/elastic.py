@@ -1,6 +1,6 @@
 """The core's default launch: torch.distributed.elastic, the engine torchrun uses.
 
-``torchrig launch`` builds a :class:`~torchrig.types.LaunchPlan`; this module runs the workers of
+``torchrig launch`` builds a :class:`~torchrig.plugin.types.LaunchPlan`; this module runs the workers of
 this node with elastic's ``LocalElasticAgent`` — not a home-made spawner — and a c10d rendezvous
 across machines (one machine needs none: :class:`SingleNodeRendezvous`), and adds what torchrun lacks (see ``docs``/REFERENCE "Launch"):
 
@@ -61,13 +61,13 @@ from torchrig.launch import summary as _summary
 from torchrig.launch.observer import Observer
 from torchrig.launch.rendezvous import rendezvous_handler
 from torchrig.launch.tail import LogRelay
-from torchrig.types import LaunchPlan
+from torchrig.plugin.types import LaunchPlan
 
 #: Console prefix of each worker's output lines (a ``string.Template`` of ``rank``).
 LOG_LINE_PREFIX = "[rank${rank}]: "
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Passed on to every rank, nothing torn down: a scheduler's warning (Slurm ``--signal=USR1@T``)
-#: that the ranks turn into a preemption checkpoint (:mod:`torchrig.preemption`).
+#: that the ranks turn into a preemption checkpoint (:mod:`torchrig.resilience.preemption`).
 FORWARDED_SIGNAL = signal.SIGUSR1
 
 

@@ -43,8 +43,8 @@ from torchrig.launch.status import (
     write_json_atomic,
 )
 from torchrig.launch.summary import run_status
-from torchrig.markers import hookimpl
-from torchrig.types import LaunchPlan
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import LaunchPlan
 
 
 class SlurmLauncher(SlurmCluster):

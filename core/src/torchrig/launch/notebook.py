@@ -37,8 +37,8 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from torchrig.enums import PrecisionType
-from torchrig.runtime import latest_run
+from torchrig.compat.enums import PrecisionType
+from torchrig.host.runtime import latest_run
 from torchrig.utils.environment import patch_environment
 
 #: Start method per device type: runtimes that initialise themselves in the parent cannot be forked.
@@ -233,9 +233,9 @@ def _free_port() -> int:
 
 def test_launch() -> None:
     """Check that a process group can be formed and torn down here (Accelerate's launch self-test)."""
-    # Imported here, not at the top: importing the notebook launcher stays torch-free (torchrig.process
+    # Imported here, not at the top: importing the notebook launcher stays torch-free (torchrig.distributed.process
     # needs torch), like the rest of the launcher.
-    from torchrig.process import PartialState
+    from torchrig.distributed.process import PartialState
 
     state = PartialState()
     state.wait_for_everyone()

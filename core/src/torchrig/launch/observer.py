@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing import Std
 
 from torchrig.launch import status as _status
 from torchrig.launch import summary as _summary
-from torchrig.types import LaunchPlan
+from torchrig.plugin.types import LaunchPlan
 
 
 class Observer:

@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
-from torchrig.types import LaunchPlan
+from torchrig.plugin.types import LaunchPlan
 
 
 def free_port(host: str = "") -> int:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 # The state values, the atomic write and the rank's own status file live below the layers that
-# record into it (torchrig.run_status); the launcher reads the files with the same names.
-from torchrig.run_status import (
+# record into it (torchrig.resilience.run_status); the launcher reads the files with the same names.
+from torchrig.resilience.run_status import (
     FAILED,
     FINISHED,
     INTERRUPTED,

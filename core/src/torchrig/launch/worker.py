@@ -21,7 +21,7 @@ recorded whatever happens to it:
 * a preemption (``preemption.signals``): the signals are recorded from the first instruction
   (``--preemption_signals``; the launcher starts ranks with SIGUSR1 blocked, unblocked here once the
   handler is in place, so a warning during the interpreter's own start is not lost either), and a script that stopped with
-  :class:`~torchrig.preemption.Preempted` is recorded as ``preempted``, with its checkpoint;
+  :class:`~torchrig.resilience.preemption.Preempted` is recorded as ``preempted``, with its checkpoint;
 * ``--no_python`` commands run as a child process whose stderr passes through here, so the
   tail of it lands in the status file (there is no Python entry to wrap).
 
@@ -47,11 +47,11 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from torchrig import preemption, run_status
 from torchrig.errors import ConfigError
 from torchrig.launch import status as _status
 from torchrig.launch.supervisor import set_parent_death_signal, supervise
-from torchrig.liveness import process_is_alive
+from torchrig.resilience import preemption, run_status
+from torchrig.resilience.liveness import process_is_alive
 
 #: Seconds a rank gets to stop on its own after SIGTERM/SIGINT before it is ended from the
 #: watchdog thread (it is then stuck in native code). Below the launcher's SIGKILL grace.

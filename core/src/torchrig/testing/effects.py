@@ -13,7 +13,7 @@ reads back a configuration value cannot catch those; these assertions observe th
   (``c10d::allreduce_``...; DDP's C++ reducer and the functional collectives of DTensor and compiled
   graphs included);
 * :func:`count_compilation` / :func:`assert_compiled` — frames dynamo compiled, graphs, graph breaks
-  and recompilations during a block (the counters :mod:`torchrig.compile_check` reads);
+  and recompilations during a block (the counters :mod:`torchrig.training.compile_check` reads);
 * :func:`assert_modules_converted` — how many modules a conversion (fp8, quantization...) replaced.
 
 Each assertion fails when it observed nothing at all, so a test using it cannot pass vacuously.
@@ -31,7 +31,7 @@ from torch._dynamo.callback import CallbackArgs, CallbackTrigger, callback_handl
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from torchrig.compile_check import dynamo_counters
+from torchrig.training.compile_check import dynamo_counters
 
 # -- forward dtype -------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from torchrig.kinds import PluginKind
+from torchrig.plugin.kinds import PluginKind
 
 
 class FakeDistribution(md.Distribution):

@@ -6,9 +6,9 @@ import importlib.metadata as md
 from collections.abc import Iterable, Mapping
 
 from torchrig.defaults import training as training_defaults
-from torchrig.discovery import installed_distributions
+from torchrig.host.discovery import installed_distributions
+from torchrig.host.plugin_host import PluginHost
 from torchrig.launch import defaults as launch_defaults
-from torchrig.plugin_host import PluginHost
 
 
 def make_host(
@@ -17,7 +17,7 @@ def make_host(
     disabled: Iterable[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> PluginHost:
-    """A fresh :class:`~torchrig.plugin_host.PluginHost` over the installed distributions
+    """A fresh :class:`~torchrig.host.plugin_host.PluginHost` over the installed distributions
     (unless ``include_installed=False``) plus ``fake_distributions``. ``environ`` defaults to an
     empty mapping so the caller's ``TORCHRIG_DISABLE_PLUGINS`` does not leak into tests. Every
     family of the core's defaults is registered, as in a training run and the launcher."""

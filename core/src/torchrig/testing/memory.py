@@ -4,7 +4,7 @@
 once (by address), so a measurement taken before building a model and one after its first step
 differ by exactly what the model, its gradients, its optimizer and the strategy's own buffers hold
 — whichever library allocated them (FSDP2's DTensor shards, DeepSpeed's flat partitions).
-Activations are measured with :class:`torchrig.memory_model.SavedTensorCounter` on a real batch.
+Activations are measured with :class:`torchrig.estimate.memory_model.SavedTensorCounter` on a real batch.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from torchrig.plugin_host import PluginHost
+from torchrig.host.plugin_host import PluginHost
 
 
 @attrs.frozen

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from torchrig.compat.enums import DistributedType
 from torchrig.compat.resolve import module_attributes
-from torchrig.enums import DistributedType
-from torchrig.runtime import declared_distributed_type, latest_run
+from torchrig.host.runtime import declared_distributed_type, latest_run
 from torchrig.utils.environment import patch_environment
 from torchrig.utils.versions import compare_versions, is_torch_version
 

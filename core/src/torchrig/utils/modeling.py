@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from torchrig.checkpoint.export import parse_size
+from torchrig.compat.enums import CustomDtype, DistributedType
 from torchrig.compat.resolve import module_attributes
-from torchrig.compile import has_compiled_regions, is_compiled_module
-from torchrig.enums import CustomDtype, DistributedType
-from torchrig.process import AcceleratorState
+from torchrig.distributed.process import AcceleratorState
+from torchrig.training.compile import has_compiled_regions, is_compiled_module
 from torchrig.utils.imports import is_peft_available
 
 _log = logging.getLogger(__name__)

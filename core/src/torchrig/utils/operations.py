@@ -1,6 +1,6 @@
 """Accelerate's free-function collectives — ``gather``, ``reduce``, ``broadcast``... — over every
 process of the job, usable without holding an ``Accelerator`` (the structure helpers they work on
-are in :mod:`torchrig.nested`).
+are in :mod:`torchrig.distributed.nested`).
 
 They use the collectives of the process's newest run (an ``Accelerator``'s or a ``PartialState``'s,
 so a strategy's own transport is honoured), or plain ``torch.distributed`` over a process group
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from torchrig.compat.resolve import module_attributes
-from torchrig.nested import recursively_apply
-from torchrig.process import world_collectives
-from torchrig.runtime import latest_run
+from torchrig.distributed.nested import recursively_apply
+from torchrig.distributed.process import world_collectives
+from torchrig.host.runtime import latest_run
 
 
 def gather(tensor: Any) -> Any:

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from torchrig.compat.enums import RNGType
 from torchrig.compat.resolve import module_attributes
-from torchrig.enums import RNGType
-from torchrig.process import world_collectives
+from torchrig.distributed.process import world_collectives
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:

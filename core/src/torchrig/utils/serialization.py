@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from torchrig.checkpoint.export import save_object
-from torchrig.process import PartialState
+from torchrig.distributed.process import PartialState
 
 
 def save(obj: Any, f: str | os.PathLike[str] | io.IOBase, save_on_each_node: bool = False,

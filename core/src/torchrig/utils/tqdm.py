@@ -11,8 +11,8 @@ def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
     """``tqdm.auto.tqdm(*args, **kwargs)``, disabled on every process but the local main one
     unless ``main_process_only=False``. Needs ``tqdm`` (``pip install tqdm``)."""
     # Imported here, not at the top: torchrig.utils binds this function eagerly and must stay
-    # torch-free to import (torchrig.process needs torch).
-    from torchrig.process import PartialState
+    # torch-free to import (torchrig.distributed.process needs torch).
+    from torchrig.distributed.process import PartialState
 
     try:
         from tqdm.auto import tqdm as auto_tqdm

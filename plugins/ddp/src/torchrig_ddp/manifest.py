@@ -11,13 +11,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torchrig.config.schema import suggest
-from torchrig.hookspecs import HOOK_API_VERSION
-from torchrig.manifest import PluginManifest
-from torchrig.markers import hookimpl
-from torchrig.types import CliFlag, ConfigProblem, ConfigSection
+from torchrig.plugin.hookspecs import HOOK_API_VERSION
+from torchrig.plugin.manifest import PluginManifest
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import CliFlag, ConfigProblem, ConfigSection
 
 if TYPE_CHECKING:
-    from torchrig.memory import MemoryEstimate, MemoryRequest
+    from torchrig.estimate.memory import MemoryEstimate, MemoryRequest
 
 SECTION = "ddp_config"
 #: ``comm_hook`` values: which ``torch.distributed.algorithms.ddp_comm_hooks`` hook to register.

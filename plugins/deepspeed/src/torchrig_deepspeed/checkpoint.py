@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchrig.checkpoint import plain, topology
 from torchrig.checkpoint.trust import PICKLE_OPT_IN
-from torchrig.run import RunContext
+from torchrig.host.run import RunContext
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig_deepspeed.strategy import EngineRecord

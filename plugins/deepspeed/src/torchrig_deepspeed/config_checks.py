@@ -32,7 +32,7 @@ from typing import Any
 
 from torchrig.config.schema import suggest
 from torchrig.errors import ConfigError
-from torchrig.types import ConfigProblem
+from torchrig.plugin.types import ConfigProblem
 
 from torchrig_deepspeed.ds_json import DeepSpeedJSON, load_deepspeed_json
 

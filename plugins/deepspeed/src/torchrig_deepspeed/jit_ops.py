@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from torch.utils.cpp_extension import get_default_build_root
-from torchrig import run_status
+from torchrig.resilience import run_status
 
 #: The op DeepSpeed's CPU accelerator compiles when its comm backend starts.
 SHM_COMM_BUILDER = "ShareMemCommBuilder"

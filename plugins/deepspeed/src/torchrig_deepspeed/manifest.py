@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from torchrig.hookspecs import HOOK_API_VERSION
-from torchrig.manifest import PluginManifest
-from torchrig.markers import hookimpl
-from torchrig.types import CliFlag, ConfigProblem, ConfigSection
+from torchrig.plugin.hookspecs import HOOK_API_VERSION
+from torchrig.plugin.manifest import PluginManifest
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import CliFlag, ConfigProblem, ConfigSection
 
 if TYPE_CHECKING:
-    from torchrig.memory import MemoryEstimate, MemoryRequest
+    from torchrig.estimate.memory import MemoryEstimate, MemoryRequest
 
 SECTION = "deepspeed_config"
 #: Where ZeRO offloads optimizer state and parameters (``offload_*_device``).

@@ -1,6 +1,6 @@
 """The ``deepspeed`` strategy's runtime: one DeepSpeed engine per prepared model.
 
-What it owns (its :class:`~torchrig.types.Capabilities`): backward (``engine.backward``, which
+What it owns (its :class:`~torchrig.plugin.types.Capabilities`): backward (``engine.backward``, which
 also divides the loss by the accumulation steps), the optimizer step and zero_grad
 (``engine.step``, which steps only at accumulation boundaries, clips and zeroes), accumulation,
 clipping (DeepSpeed clips to ``gradient_clipping`` inside its step), precision (the engine keeps
@@ -29,13 +29,13 @@ from typing import Any
 import attrs
 import torch
 from torchrig.config.options import DataLoaderConfiguration
-from torchrig.gradient_state import GradientState, gradient_state_of
+from torchrig.host.run import RunContext
 from torchrig.logging import get_logger
-from torchrig.markers import hookimpl
-from torchrig.run import RunContext
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import Capabilities, LaunchPlan, PreparedModel, StashKey
 from torchrig.scheduler import OptimizerStepScheduler
-from torchrig.step_plan import StepPlanBuilder
-from torchrig.types import Capabilities, LaunchPlan, PreparedModel, StashKey
+from torchrig.training.gradient_state import GradientState, gradient_state_of
+from torchrig.training.step_plan import StepPlanBuilder
 
 from torchrig_deepspeed import checkpoint as ds_checkpoint
 from torchrig_deepspeed.config_checks import SECTION

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torchrig.hookspecs import HOOK_API_VERSION
-from torchrig.manifest import PluginManifest
-from torchrig.markers import hookimpl
-from torchrig.types import CliFlag, ConfigProblem, ConfigSection
+from torchrig.plugin.hookspecs import HOOK_API_VERSION
+from torchrig.plugin.manifest import PluginManifest
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import CliFlag, ConfigProblem, ConfigSection
 
 SECTION = "fp8_config"
 #: torchao's ``Float8LinearConfig.from_recipe_name`` recipes.

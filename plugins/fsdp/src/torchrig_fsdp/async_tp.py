@@ -12,7 +12,7 @@ from typing import Any
 
 from torchrig.config.options import ParallelismConfig, TorchDynamoPlugin
 from torchrig.errors import ConfigError
-from torchrig.run import RunContext
+from torchrig.host.run import RunContext
 
 KEY = "parallelism_config.async_tp"
 

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchrig.checkpoint import plain, topology
 from torchrig.checkpoint.trust import check_loadable, load_pickled
-from torchrig.run import RunContext
-from torchrig.types import PreparedModel
+from torchrig.host.run import RunContext
+from torchrig.plugin.types import PreparedModel
 
 from torchrig_fsdp import safe_dcp, strided
 

@@ -24,15 +24,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torchrig.config.options import TP_STYLES
-from torchrig.hookspecs import HOOK_API_VERSION
-from torchrig.manifest import PluginManifest
-from torchrig.markers import hookimpl
-from torchrig.types import CliFlag, ConfigProblem, ConfigSection
+from torchrig.plugin.hookspecs import HOOK_API_VERSION
+from torchrig.plugin.manifest import PluginManifest
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import CliFlag, ConfigProblem, ConfigSection
 
 from torchrig_fsdp.hf_style_names import REFUSED_STYLES, TRANSFORMERS_STYLE_NAMES
 
 if TYPE_CHECKING:
-    from torchrig.memory import MemoryEstimate, MemoryRequest
+    from torchrig.estimate.memory import MemoryEstimate, MemoryRequest
 
 SECTION = "fsdp_config"
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")

@@ -1,4 +1,4 @@
-"""FSDP2's per-rank memory (torch-free arithmetic on :mod:`torchrig.memory`).
+"""FSDP2's per-rank memory (torch-free arithmetic on :mod:`torchrig.estimate.memory`).
 
 Each parameter is sharded on dim 0 over the world (padded to ``ceil(dim0 / W)`` rows), and so are
 its gradient and its optimizer state; sharded parameters stay in their own dtype (fp32: they are
@@ -9,7 +9,7 @@ with ``reshard_after_forward`` off every unit stays gathered from forward to bac
 
 from __future__ import annotations
 
-from torchrig.memory import (
+from torchrig.estimate.memory import (
     MemoryComponent,
     MemoryEstimate,
     MemoryRequest,

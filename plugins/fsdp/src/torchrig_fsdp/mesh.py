@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
 from torchrig.config.options import ParallelismConfig
 from torchrig.config.parallelism import infer_sizes, key_of
 from torchrig.errors import ConfigError
-from torchrig.run import RunContext
+from torchrig.host.run import RunContext
 
 from torchrig_fsdp import hf_styles, submeshes, tp_styles
 

@@ -1,6 +1,6 @@
 """The ``fsdp`` strategy's runtime: FSDP2, ``torch.distributed.fsdp.fully_shard``.
 
-What it owns (its :class:`~torchrig.types.Capabilities`): precision — FSDP2's
+What it owns (its :class:`~torchrig.plugin.types.Capabilities`): precision — FSDP2's
 ``MixedPrecisionPolicy`` casts parameters for compute and reduces gradients in fp32, so the
 precision plugin's autocast is not installed — and the checkpoint format (sharded, through
 ``torch.distributed.checkpoint``; see :mod:`torchrig_fsdp.checkpoint`). Backward, the optimizer
@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torchrig.markers import hookimpl
-from torchrig.run import RunContext
-from torchrig.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_loss_scaling
-from torchrig.types import Capabilities, PreparedModel, StashKey
+from torchrig.host.run import RunContext
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.types import Capabilities, PreparedModel, StashKey
+from torchrig.training.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_loss_scaling
 
 from torchrig_fsdp import async_tp, pipeline, submeshes
 from torchrig_fsdp import checkpoint as fsdp_checkpoint

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchrig.config.resolve import Layer
 from torchrig.errors import ConfigError
-from torchrig.run import RunContext
+from torchrig.host.run import RunContext
 
 from torchrig_fsdp import hf_styles
 from torchrig_fsdp import mesh as mesh_module

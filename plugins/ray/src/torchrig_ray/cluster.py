@@ -5,7 +5,7 @@ process group in every worker (``dist.init_process_group`` with gloo on CPU, ncc
 then calls the training function. An ``Accelerator()`` created there asks this plugin first
 (priority 60, above torchelastic: Ray also exports ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``, but
 its context is the authority): ranks and sizes come from ``ray.train.get_context()``, and the
-core adopts the group Ray created instead of creating one (:mod:`torchrig.process_group`).
+core adopts the group Ray created instead of creating one (:mod:`torchrig.distributed.process_group`).
 
 Detection costs nothing outside Ray: the plugin declines unless ``RAY_RAYLET_PID`` is in the
 environment (Ray sets it in every process its raylet starts; a driver script that calls

@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
-from torchrig.hookspecs import HOOK_API_VERSION
-from torchrig.manifest import PluginManifest
+from torchrig.plugin.hookspecs import HOOK_API_VERSION
+from torchrig.plugin.manifest import PluginManifest
 
 
 class RayManifest(PluginManifest):

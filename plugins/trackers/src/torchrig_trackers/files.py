@@ -14,9 +14,9 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
-from torchrig.markers import hookimpl
-from torchrig.run import RunContext
-from torchrig.tracker import Tracker, as_scalar, flatten, jsonable
+from torchrig.host.run import RunContext
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.tracker import Tracker, as_scalar, flatten, jsonable
 
 
 def run_directory(logging_dir: str | None, project_name: str) -> str:

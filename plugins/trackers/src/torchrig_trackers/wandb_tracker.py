@@ -16,9 +16,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from torchrig.markers import hookimpl
-from torchrig.run import RunContext
-from torchrig.tracker import Tracker, as_scalar
+from torchrig.host.run import RunContext
+from torchrig.plugin.markers import hookimpl
+from torchrig.plugin.tracker import Tracker, as_scalar
 
 
 class WandBTracker(Tracker):

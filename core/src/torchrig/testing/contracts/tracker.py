@@ -71,7 +71,7 @@ class TrackerContract:
         return RunContext(config={"log_with": [self.tracker]}, plugins=host, cluster=cluster)
 
     def _hub(self, **kwargs: Any) -> Any:
-        from torchrig.tracking import TrackerHub
+        from torchrig.tracking.hub import TrackerHub
 
         return TrackerHub(self._run(**kwargs))
 
