@@ -6,7 +6,7 @@ plugins``; it must stay importable without torch.
 
 from __future__ import annotations
 
-from torchrig import HOOK_API_VERSION, CliFlag, ConfigSection, PluginManifest
+from torchrig.plugin import HOOK_API_VERSION, CliFlag, ConfigSection, PluginManifest
 
 SECTION = "localsgd_config"
 

@@ -9,7 +9,7 @@ launch``, or an instance in ``Accelerator(kwargs_handlers=[LocalSGDKwargs(sync_e
 from __future__ import annotations
 
 import attrs
-from torchrig.config.schema import at_least, option
+from torchrig.plugin import at_least, option
 
 
 @attrs.frozen(kw_only=True)

@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from torchrig import Capabilities, PreparedModel, RunContext, StashKey, StepPlanBuilder, hookimpl
+from torchrig.plugin import Capabilities, PreparedModel, RunContext, StashKey, StepPlanBuilder, hookimpl
 
 from torchrig_localsgd.manifest import SECTION
 

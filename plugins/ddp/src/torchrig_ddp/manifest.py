@@ -10,14 +10,10 @@ import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from torchrig.config.schema import suggest
-from torchrig.plugin.hookspecs import HOOK_API_VERSION
-from torchrig.plugin.manifest import PluginManifest
-from torchrig.plugin.markers import hookimpl
-from torchrig.plugin.types import CliFlag, ConfigProblem, ConfigSection
+from torchrig.plugin import HOOK_API_VERSION, CliFlag, ConfigProblem, ConfigSection, PluginManifest, hookimpl, suggest
 
 if TYPE_CHECKING:
-    from torchrig.estimate.memory import MemoryEstimate, MemoryRequest
+    from torchrig.plugin import MemoryEstimate, MemoryRequest
 
 SECTION = "ddp_config"
 #: ``comm_hook`` values: which ``torch.distributed.algorithms.ddp_comm_hooks`` hook to register.

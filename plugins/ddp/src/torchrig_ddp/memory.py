@@ -5,7 +5,7 @@ makes the gradients views into them."""
 from __future__ import annotations
 
 import attrs
-from torchrig.estimate.memory import MemoryComponent, MemoryEstimate, MemoryRequest, replicated_estimate
+from torchrig.plugin import MemoryComponent, MemoryEstimate, MemoryRequest, replicated_estimate
 
 SECTION = "ddp_config"
 

@@ -12,8 +12,7 @@ import enum
 from typing import Any
 
 import attrs
-from torchrig.config.options import KwargsHandler
-from torchrig.config.schema import at_least, enum_name, option
+from torchrig.plugin import KwargsHandler, at_least, enum_name, option
 
 from torchrig_ddp.manifest import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS
 

@@ -13,10 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
-from torchrig.host.run import RunContext
-from torchrig.plugin.markers import hookimpl
-from torchrig.plugin.types import Capabilities, PreparedModel
-from torchrig.training.step_plan import StepPlanBuilder
+from torchrig.plugin import Capabilities, PreparedModel, RunContext, StepPlanBuilder, hookimpl
 
 from torchrig_ddp.options import DistributedDataParallelKwargs
 

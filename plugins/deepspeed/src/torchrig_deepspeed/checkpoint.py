@@ -35,9 +35,7 @@ import pickle
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from torchrig.checkpoint import plain, topology
-from torchrig.checkpoint.trust import PICKLE_OPT_IN
-from torchrig.host.run import RunContext
+from torchrig.plugin import PICKLE_OPT_IN, RunContext, describe_layout, load_model_state, run_layout, saved_layout
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig_deepspeed.strategy import EngineRecord
@@ -158,7 +156,7 @@ def _load_module(src: Mapping[str, Any], dst: Any) -> None:
     back (bitsandbytes' 4-bit quantization state, ``weight.absmax``/``quant_map``/``quant_state.*``,
     under QLoRA). Such a key passes when it equals the live value; any other missing or unexpected
     key is still an error naming it."""
-    plain.load_model_state(dst, src)
+    load_model_state(dst, src)
 
 
 def load_state(run: RunContext, records: Sequence[EngineRecord], directory: str, manifest: Mapping[str, Any],
@@ -171,12 +169,12 @@ def load_state(run: RunContext, records: Sequence[EngineRecord], directory: str,
     for record in records:
         path = os.path.join(directory, record.tag)
         if not os.path.isdir(path):
-            saved = topology.describe(topology.saved(manifest))  # "fsdp on 2 processes", or a mesh's axes
+            saved = describe_layout(saved_layout(manifest))  # "fsdp on 2 processes", or a mesh's axes
             by = saved if saved.startswith(f"{strategy} ") else f"{strategy!r} under {saved}"
             raise DeepSpeedCheckpointError(
                 f"deepspeed: {directory} holds no DeepSpeed engine state for {_describe(record)} (no {record.tag}/): it "
                 f"was saved by {by}" + (" with fewer models" if strategy == "deepspeed" else "")
-                + f"; this run is {topology.describe(topology.current(run))}. DeepSpeed engines load only their own engine state: "
+                + f"; this run is {describe_layout(run_layout(run))}. DeepSpeed engines load only their own engine state: "
                 "load it with the strategy and models it was saved with")
         if saved_world != world and _partitioned(record):
             raise DeepSpeedCheckpointError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import deepspeed
-from torchrig.distributed.process import AcceleratorState
+from torchrig.plugin import AcceleratorState
 
 #: ZeRO-3: gather partitioned parameters for the block (``deepspeed.zero.GatheredParameters`` itself).
 GatheredParameters = deepspeed.zero.GatheredParameters

@@ -30,9 +30,7 @@ import warnings
 from collections.abc import KeysView, Mapping
 from typing import Any
 
-from torchrig.config.schema import suggest
-from torchrig.errors import ConfigError
-from torchrig.plugin.types import ConfigProblem
+from torchrig.plugin import ConfigError, ConfigProblem, suggest
 
 from torchrig_deepspeed.ds_json import DeepSpeedJSON, load_deepspeed_json
 

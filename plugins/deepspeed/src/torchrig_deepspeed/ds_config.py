@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
-from torchrig.errors import ConfigError
+from torchrig.plugin import ConfigError
 
 from torchrig_deepspeed.config_checks import AUTO, DS_KEY, load_deepspeed_json
 from torchrig_deepspeed.options import DeepSpeedPlugin

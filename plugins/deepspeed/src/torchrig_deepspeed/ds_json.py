@@ -15,8 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from torchrig.config.loader import Document, load_text
-from torchrig.errors import ConfigError
+from torchrig.plugin import ConfigDocument, ConfigError, load_config_text
 
 
 @attrs.frozen
@@ -25,7 +24,7 @@ class DeepSpeedJSON:
     mapping passed from Python or base64 text) so problems can name file:line."""
 
     data: dict[str, Any]
-    document: Document | None = None
+    document: ConfigDocument | None = None
 
     def where(self, *path: str | int) -> str | None:
         return self.document.where(path) if self.document is not None else None
@@ -56,14 +55,14 @@ def load_deepspeed_json(value: Any) -> DeepSpeedJSON:
                       f"{os.getcwd()})")
 
 
-def _read_file(path: str) -> tuple[dict[str, Any], Document | None]:
+def _read_file(path: str) -> tuple[dict[str, Any], ConfigDocument | None]:
     try:
         with open(path, encoding="utf-8-sig") as handle:
             text = handle.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the DeepSpeed config: {exc}") from None
     try:
-        document = load_text(text, path, format="json")
+        document = load_config_text(text, path, format="json")
         return document.data, document
     except ConfigError as json_error:
         if any("duplicate key" in p for p in json_error.problems):

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from torch.utils.cpp_extension import get_default_build_root
-from torchrig.resilience import run_status
+from torchrig.plugin import record_status
 
 #: The op DeepSpeed's CPU accelerator compiles when its comm backend starts.
 SHM_COMM_BUILDER = "ShareMemCommBuilder"
@@ -123,7 +123,7 @@ class LockWatcher:
                 self.reported.add(lock)
                 message = stall_message(self.rank, lock, idle)
                 print(f"torchrig deepspeed: {message}", file=sys.stderr, flush=True)
-                run_status.record(waiting=message)
+                record_status(waiting=message)
 
     def __enter__(self) -> LockWatcher:
         self.thread.start()
@@ -133,7 +133,7 @@ class LockWatcher:
         self.stop.set()
         self.thread.join()
         if self.reported and kind is None:  # stopped while waiting (a signal, an error): the record stays
-            run_status.record(waiting=None)
+            record_status(waiting=None)
 
 
 @contextlib.contextmanager

@@ -9,13 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from torchrig.plugin.hookspecs import HOOK_API_VERSION
-from torchrig.plugin.manifest import PluginManifest
-from torchrig.plugin.markers import hookimpl
-from torchrig.plugin.types import CliFlag, ConfigProblem, ConfigSection
+from torchrig.plugin import HOOK_API_VERSION, CliFlag, ConfigProblem, ConfigSection, PluginManifest, hookimpl
 
 if TYPE_CHECKING:
-    from torchrig.estimate.memory import MemoryEstimate, MemoryRequest
+    from torchrig.plugin import MemoryEstimate, MemoryRequest
 
 SECTION = "deepspeed_config"
 #: Where ZeRO offloads optimizer state and parameters (``offload_*_device``).

@@ -15,7 +15,7 @@ hidden size) 5e8 elements, 2 GB in fp32 on every rank whatever the model's size 
 
 from __future__ import annotations
 
-from torchrig.estimate.memory import MemoryComponent, MemoryEstimate, MemoryRequest, activation_component
+from torchrig.plugin import MemoryComponent, MemoryEstimate, MemoryRequest, activation_component
 
 SECTION = "deepspeed_config"
 #: DeepSpeed's own defaults, used when neither the JSON nor the model's hidden size sets them.

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from torchrig.config.schema import at_least, between, class_names, option
+from torchrig.plugin import at_least, between, class_names, option
 
 from torchrig_deepspeed.ds_json import load_deepspeed_json
 from torchrig_deepspeed.manifest import OFFLOAD_DEVICES

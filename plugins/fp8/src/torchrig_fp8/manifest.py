@@ -11,10 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torchrig.plugin.hookspecs import HOOK_API_VERSION
-from torchrig.plugin.manifest import PluginManifest
-from torchrig.plugin.markers import hookimpl
-from torchrig.plugin.types import CliFlag, ConfigProblem, ConfigSection
+from torchrig.plugin import HOOK_API_VERSION, CliFlag, ConfigProblem, ConfigSection, PluginManifest, hookimpl
 
 SECTION = "fp8_config"
 #: torchao's ``Float8LinearConfig.from_recipe_name`` recipes.

@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-from torchrig.config.options import KwargsHandler
-from torchrig.config.schema import option
+from torchrig.plugin import KwargsHandler, option
 
 from torchrig_fp8.manifest import BACKENDS, EMULATE_ENV, OTHER_BACKEND_KEYS, RECIPES, SECTION
 

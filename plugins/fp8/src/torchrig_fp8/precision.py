@@ -14,10 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchrig.host.run import RunContext
-from torchrig.logging import get_logger
-from torchrig.plugin.markers import hookimpl
-from torchrig.training.step_plan import StepPlanBuilder, install_autocast
+from torchrig.plugin import RunContext, StepPlanBuilder, get_logger, hookimpl, install_autocast
 
 from torchrig_fp8.convert import ConversionReport, convert, import_float8
 from torchrig_fp8.manifest import device_problem, hardware_problem

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchrig.config.options import ParallelismConfig, TorchDynamoPlugin
-from torchrig.errors import ConfigError
-from torchrig.host.run import RunContext
+from torchrig.plugin import ConfigError, ParallelismConfig, RunContext, TorchDynamoPlugin
 
 KEY = "parallelism_config.async_tp"
 

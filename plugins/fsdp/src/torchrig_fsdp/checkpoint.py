@@ -36,10 +36,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torchrig.checkpoint import plain, topology
-from torchrig.checkpoint.trust import check_loadable, load_pickled
-from torchrig.host.run import RunContext
-from torchrig.plugin.types import PreparedModel
+from torchrig.plugin import (
+    PreparedModel,
+    RunContext,
+    check_loadable,
+    describe_layout,
+    load_pickled,
+    model_files,
+    optimizer_by_name,
+    read_model_state,
+    read_optimizer_state,
+    run_layout,
+    saved_layout,
+)
 
 from torchrig_fsdp import safe_dcp, strided
 
@@ -198,7 +207,7 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
         model = item.unwrapped
         sharded_dir = os.path.join(directory, model_name(index, True))
         full_file = os.path.join(directory, model_name(index, False))
-        plain_file = next((os.path.join(directory, name) for name in plain.model_files(index)
+        plain_file = next((os.path.join(directory, name) for name in model_files(index)
                            if os.path.isfile(os.path.join(directory, name))), None)
         is_plain = not os.path.isdir(sharded_dir) and not os.path.isfile(full_file) and plain_file is not None
         if os.path.isdir(sharded_dir):
@@ -207,16 +216,16 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
         elif os.path.isfile(full_file):
             _load_full_model(run, model, _read_full(run, full_file, allow_pickle))
         elif is_plain:  # a single-process or DDP checkpoint: full weights, keyed by name
-            _load_full_model(run, model, plain.read_model_state(directory, index) if _reads(run) else {})
+            _load_full_model(run, model, read_model_state(directory, index) if _reads(run) else {})
         else:
             described = ""
             if manifest is not None:
-                saved, now = topology.saved(manifest), topology.current(run)
+                saved, now = saved_layout(manifest), run_layout(run)
                 described = (f" It was saved by the strategy {saved.get('strategy')!r} under "
-                             f"{topology.describe(saved)}; this run is {topology.describe(now)}.")
+                             f"{describe_layout(saved)}; this run is {describe_layout(now)}.")
             raise FSDPCheckpointError(
                 f"fsdp: {directory} holds no state for model {index}: neither {model_name(index, True)}/ (sharded), "
-                f"{model_name(index, False)} (full) nor {plain.model_files(index)[0]} (plain).{described} Was it saved "
+                f"{model_name(index, False)} (full) nor {model_files(index)[0]} (plain).{described} Was it saved "
                 "with another number of models, or by a strategy with its own format (load it with that strategy)?")
         for optimizer in item.optimizers:
             sharded_opt = os.path.join(directory, optimizer_name(optimizer_index, True))
@@ -230,7 +239,7 @@ def load_state(run: RunContext, prepared: Sequence[PreparedModel], directory: st
                 if _reads(run):
                     names = {id(param): name for name, param in model.named_parameters()}
                     ordered = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
-                    full = plain.optimizer_by_name(plain.read_optimizer_state(directory, optimizer_index), ordered,
+                    full = optimizer_by_name(read_optimizer_state(directory, optimizer_index), ordered,
                                                    f"{directory}: optimizer {optimizer_index}")
                 _load_full_optimizer(run, model, optimizer, full, f"{directory}: optimizer {optimizer_index}")
             elif os.path.isfile(full_opt):

@@ -4,7 +4,7 @@ explanation of a no-op option or a fallback once per process rather than once pe
 
 from __future__ import annotations
 
-from torchrig.logging import get_logger
+from torchrig.plugin import get_logger
 
 logger = get_logger(__name__)
 

@@ -23,16 +23,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from torchrig.config.options import TP_STYLES
-from torchrig.plugin.hookspecs import HOOK_API_VERSION
-from torchrig.plugin.manifest import PluginManifest
-from torchrig.plugin.markers import hookimpl
-from torchrig.plugin.types import CliFlag, ConfigProblem, ConfigSection
+from torchrig.plugin import HOOK_API_VERSION, TP_STYLES, CliFlag, ConfigProblem, ConfigSection, PluginManifest, hookimpl
 
 from torchrig_fsdp.hf_style_names import REFUSED_STYLES, TRANSFORMERS_STYLE_NAMES
 
 if TYPE_CHECKING:
-    from torchrig.estimate.memory import MemoryEstimate, MemoryRequest
+    from torchrig.plugin import MemoryEstimate, MemoryRequest
 
 SECTION = "fsdp_config"
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")

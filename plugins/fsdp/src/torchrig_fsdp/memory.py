@@ -9,7 +9,7 @@ with ``reshard_after_forward`` off every unit stays gathered from forward to bac
 
 from __future__ import annotations
 
-from torchrig.estimate.memory import (
+from torchrig.plugin import (
     MemoryComponent,
     MemoryEstimate,
     MemoryRequest,

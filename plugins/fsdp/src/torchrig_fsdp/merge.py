@@ -13,7 +13,7 @@ import re
 import shutil
 
 import torch
-from torchrig.errors import TorchrigError
+from torchrig.plugin import TorchrigError
 
 from torchrig_fsdp.checkpoint import read_sharded_model
 

@@ -24,10 +24,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from torchrig.config.options import ParallelismConfig
-from torchrig.config.parallelism import infer_sizes, key_of
-from torchrig.errors import ConfigError
-from torchrig.host.run import RunContext
+from torchrig.plugin import ConfigError, ParallelismConfig, RunContext, infer_parallelism_sizes, parallelism_key
 
 from torchrig_fsdp import hf_styles, submeshes, tp_styles
 
@@ -44,9 +41,9 @@ def mesh_layout(config: ParallelismConfig, world_size: int) -> tuple[tuple[int, 
     """Shape and names of the mesh for ``config`` at ``world_size``: ``dp_shard`` always (the axis
     FSDP2 shards over, size 1 when unused), ``pp``, ``dp_replicate``, ``cp`` and ``tp`` when larger than 1.
     Raises :class:`ConfigError` naming the keys when the sizes do not fit the world."""
-    sizes, problems = infer_sizes(config.sizes, world_size)
+    sizes, problems = infer_parallelism_sizes(config.sizes, world_size)
     if problems:
-        raise ConfigError([f"{key_of(axis)}: {message}" for axis, message in problems])
+        raise ConfigError([f"{parallelism_key(axis)}: {message}" for axis, message in problems])
     names = tuple(axis for axis in AXES if axis == "dp_shard" or sizes[axis] > 1)
     return tuple(sizes[axis] for axis in names), names
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
-from torchrig.config.schema import at_least, class_names, enum_name, option, suggest
+from torchrig.plugin import at_least, class_names, enum_name, option, suggest
 
 from torchrig_fsdp.manifest import AUTO_WRAP_POLICIES, BACKWARD_PREFETCH, SHARDING_STRATEGIES, STATE_DICT_TYPES
 

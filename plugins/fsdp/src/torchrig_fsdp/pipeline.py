@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchrig.errors import ConfigError
+from torchrig.plugin import ConfigError
 
 from torchrig_fsdp import pp_plan
 

@@ -24,8 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchrig.errors import ConfigError
-from torchrig.logging import get_logger
+from torchrig.plugin import ConfigError, get_logger
 
 logger = get_logger(__name__)
 

@@ -15,7 +15,7 @@ import pickle
 from typing import Any
 
 import torch
-from torchrig.checkpoint.trust import PICKLE_OPT_IN
+from torchrig.plugin import PICKLE_OPT_IN
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 #: The globals a DCP ``.metadata`` pickle may name: DCP's dataclasses and enums, torch's value types.

@@ -30,10 +30,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torchrig.host.run import RunContext
-from torchrig.plugin.markers import hookimpl
-from torchrig.plugin.types import Capabilities, PreparedModel, StashKey
-from torchrig.training.step_plan import StepPlanBuilder, grad_scaler_kwargs, install_loss_scaling
+from torchrig.plugin import (
+    Capabilities,
+    PreparedModel,
+    RunContext,
+    StashKey,
+    StepPlanBuilder,
+    grad_scaler_kwargs,
+    hookimpl,
+    install_loss_scaling,
+)
 
 from torchrig_fsdp import async_tp, pipeline, submeshes
 from torchrig_fsdp import checkpoint as fsdp_checkpoint

@@ -12,9 +12,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torchrig.config.resolve import Layer
-from torchrig.errors import ConfigError
-from torchrig.host.run import RunContext
+from torchrig.plugin import ConfigError, ConfigLayer, RunContext
 
 from torchrig_fsdp import hf_styles
 from torchrig_fsdp import mesh as mesh_module
@@ -29,7 +27,7 @@ def written_by_operator(run: RunContext, key: str) -> str | None:
     or a flag set it (an explicit choice for this run); None for defaults and ``Accelerator(...)``
     arguments (an options object carries every field, chosen or not)."""
     where = run.option_source(key)
-    return None if where is None or where.layer in (Layer.DEFAULT, Layer.ARGUMENT) else str(where)
+    return None if where is None or where.layer in (ConfigLayer.DEFAULT, ConfigLayer.ARGUMENT) else str(where)
 
 
 def wrap_blocks(model: torch.nn.Module, options: FullyShardedDataParallelPlugin, run: RunContext | None = None) -> list[torch.nn.Module]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torchrig import ClusterInfo, hookimpl
+from torchrig.plugin import ClusterInfo, hookimpl
 
 #: Set by Ray's raylet in every worker process it starts.
 RAY_WORKER_VARIABLE = "RAY_RAYLET_PID"

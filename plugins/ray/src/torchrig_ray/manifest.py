@@ -6,8 +6,7 @@
 
 from __future__ import annotations
 
-from torchrig.plugin.hookspecs import HOOK_API_VERSION
-from torchrig.plugin.manifest import PluginManifest
+from torchrig.plugin import HOOK_API_VERSION, PluginManifest
 
 
 class RayManifest(PluginManifest):

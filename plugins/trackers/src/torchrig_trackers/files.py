@@ -14,9 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
-from torchrig.host.run import RunContext
-from torchrig.plugin.markers import hookimpl
-from torchrig.plugin.tracker import Tracker, as_scalar, flatten, jsonable
+from torchrig.plugin import RunContext, Tracker, as_scalar, flatten, hookimpl, jsonable
 
 
 def run_directory(logging_dir: str | None, project_name: str) -> str:

@@ -8,8 +8,7 @@ fails with ``install_hint`` — ``pip install 'torchrig[wandb]'``.
 
 from __future__ import annotations
 
-from torchrig.plugin.hookspecs import HOOK_API_VERSION
-from torchrig.plugin.manifest import PluginManifest
+from torchrig.plugin import HOOK_API_VERSION, PluginManifest
 
 
 class CSVManifest(PluginManifest):

@@ -20,9 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torchrig.host.run import RunContext
-from torchrig.plugin.markers import hookimpl
-from torchrig.plugin.tracker import LogEvent, Tracker, as_scalar, flatten, jsonable
+from torchrig.plugin import LogEvent, RunContext, Tracker, as_scalar, flatten, hookimpl, jsonable
 
 #: MLflow's limits (mlflow.utils.validation): params per batch, metrics per batch, key length.
 PARAMS_PER_BATCH, METRICS_PER_BATCH, MAX_KEY_LENGTH, MAX_PARAM_LENGTH = 100, 1000, 250, 6000

@@ -13,9 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from torchrig.host.run import RunContext
-from torchrig.plugin.markers import hookimpl
-from torchrig.plugin.tracker import Tracker, as_scalar, flatten, jsonable
+from torchrig.plugin import RunContext, Tracker, as_scalar, flatten, hookimpl, jsonable
 
 
 class TensorBoardTracker(Tracker):

@@ -1,0 +1,97 @@
+"""torchrig.plugin is the one import home of the plugin API (issue 35, "One public plugin API").
+
+Plugins (``plugins/*/src``) and the example third-party plugin (``examples/localsgd/src``) import
+torchrig only through :mod:`torchrig.plugin`; every name it exports resolves and is documented in
+docs/plugins.md; importing it imports no torchrig module (so no torch) until a name is used.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import re
+
+import pytest
+import torchrig.plugin
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PLUGIN_SOURCES = sorted([*ROOT.glob("plugins/*/src"), ROOT / "examples" / "localsgd" / "src"])
+API_MODULE = "torchrig.plugin"
+#: Being split by another change (issue 35, DeepSpeed's accumulation contract); its imports switch after it.
+PENDING = {"plugins/deepspeed/src/torchrig_deepspeed/strategy.py"}
+
+
+def _torchrig_imports(tree: ast.AST) -> list[tuple[int, str, list[str]]]:
+    """``(line, module, names)`` of every import of torchrig in ``tree``, at any depth (function
+    bodies and ``if TYPE_CHECKING:`` blocks included)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "torchrig" or node.module.startswith("torchrig."):
+                found.append((node.lineno, node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names
+                      if alias.name == "torchrig" or alias.name.startswith("torchrig.")]
+    return found
+
+
+def _plugin_files() -> list[pathlib.Path]:
+    return [path for source in PLUGIN_SOURCES for path in sorted(source.rglob("*.py"))
+            if str(path.relative_to(ROOT)) not in PENDING]
+
+
+def test_plugin_sources_import_torchrig_only_through_the_plugin_api() -> None:
+    assert len(PLUGIN_SOURCES) >= 7, PLUGIN_SOURCES  # ddp, fsdp, deepspeed, trackers, ray, fp8 + the example
+    offences = []
+    for path in _plugin_files():
+        for line, module, names in _torchrig_imports(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(ROOT)}:{line}"
+            if module != API_MODULE:
+                imported = f"from {module} import {', '.join(names)}" if names else f"import {module}"
+                offences.append(f"{where}: `{imported}` — import it from torchrig.plugin (add it to "
+                                f"torchrig.plugin._API and docs/plugins.md if it is API)")
+            else:
+                offences += [f"{where}: torchrig.plugin has no name {name!r}" for name in names
+                             if name not in torchrig.plugin.__all__]
+    assert not offences, "plugins import torchrig outside its plugin API:\n" + "\n".join(offences)
+
+
+def test_the_api_check_sees_imports_at_any_depth() -> None:
+    """The check reads function-level and TYPE_CHECKING imports too (what a plugin would hide there)."""
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from torchrig.host.run import RunContext\n"
+              "def f():\n    import torchrig.config.schema\n")
+    assert [(line, module) for line, module, _ in _torchrig_imports(ast.parse(source))] == [
+        (3, "torchrig.host.run"), (5, "torchrig.config.schema")]
+
+
+def test_every_api_name_resolves() -> None:
+    assert torchrig.plugin.__all__ == sorted(torchrig.plugin._API)
+    for name in torchrig.plugin.__all__:
+        module, _, attribute = torchrig.plugin._API[name].partition(":")
+        assert getattr(torchrig.plugin, name) is getattr(importlib.import_module(module), attribute or name), name
+    with pytest.raises(AttributeError, match=r"no attribute 'RunStatus'.*torchrig\.plugin\.__all__"):
+        torchrig.plugin.RunStatus  # noqa: B018
+
+
+def test_every_api_name_is_documented_in_the_plugin_guide() -> None:
+    guide = (ROOT / "docs" / "plugins.md").read_text()
+    section = guide.split("## The plugin API", 1)
+    assert len(section) == 2, "docs/plugins.md has no section '## The plugin API'"
+    table = section[1].split("\n## ", 1)[0]
+    first_cells = re.findall(r"^\| ([^|]+) \|", table, re.MULTILINE)
+    rows = {name for cell in first_cells for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", cell)}
+    assert sorted(set(torchrig.plugin.__all__) - rows) == [], "undocumented in docs/plugins.md's API table"
+    assert sorted(rows - set(torchrig.plugin.__all__)) == [], "documented but not exported by torchrig.plugin"
+
+
+def test_the_api_package_imports_no_torchrig_module() -> None:
+    """Names resolve on first use (PEP 562): a manifest importing torchrig.plugin pays for nothing
+    it does not use, and ``torchrig --help`` never imports torch through it."""
+    init = pathlib.Path(torchrig.plugin.__file__)
+    runtime_imports = []
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            continue
+        runtime_imports += [module for _, module, _ in _torchrig_imports(node)]
+    assert runtime_imports == []
