@@ -147,6 +147,35 @@ def test_accumulation_steps_only_at_boundaries_and_divides_the_loss_once(gloo_po
     assert results[0]["trace"] == [(False, 0), (False, 0), (True, 1), (False, 1), (False, 1), (True, 2)]
 
 
+def _counts_from_the_deepspeed_config(ctx):
+    """No top-level count: the DeepSpeed configuration's (plugin field, then a number in its JSON)
+    is what the engine is built with and what accumulate() counts."""
+    results = {}
+    with rank_environment(ctx.rank, ctx.world_size):
+        for where, options in (("field", plugin(gradient_accumulation_steps=3)),
+                               ("json", plugin(hf_ds_config={"gradient_accumulation_steps": 3}))):
+            accelerator = accelerator_for(deepspeed_plugin=options)
+            model = make_model()
+            model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+            trace = []
+            for step in range(3):
+                x, y = batch(ctx.rank, step)
+                with accelerator.accumulate(model):
+                    accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                trace.append((accelerator.sync_gradients, model.global_steps))
+            results[where] = (accelerator.gradient_accumulation_steps, model.gradient_accumulation_steps(), trace)
+            del accelerator, model, optimizer
+    return results
+
+
+def test_the_deepspeed_configs_accumulation_count_is_the_runs(gloo_pool):
+    results = gloo_pool.run(_counts_from_the_deepspeed_config, timeout=TIMEOUT)[0]
+    for where in ("field", "json"):
+        assert results[where] == (3, 3, [(False, 0), (False, 0), (True, 1)]), where
+
+
 def _collectives_per_micro_step(ctx, stage):
     from torchrig.testing.effects import count_collectives
 

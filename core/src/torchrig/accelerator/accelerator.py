@@ -253,6 +253,8 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
         self._step_plan()  # built before the strategy prepares (compile then rebuilds it)
         caps = self._run.capabilities
         assert caps is not None
+        self.gradient_state.adopt_strategy_steps(caps.accumulation_steps,
+                                                 configured=self.config.is_set("gradient_accumulation_steps"))
 
         claimed: set[int] = set()
         for m in models:

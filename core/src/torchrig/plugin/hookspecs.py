@@ -250,10 +250,20 @@ def torchrig_strategy_capabilities(run: RunContext) -> Capabilities | None:
     sub-meshes in ``device_submeshes`` (``dp``, ``dp_shard_cp``, ``dp_cp``, each axis; a ``cp`` entry
     is what ``accelerator.maybe_context_parallel`` shards over).
 
+    Accumulation count (``accumulation_steps``): the core owns the run's gradient-accumulation
+    state and is its only writer. A strategy whose engine is built with a count of its own
+    configuration declares it; at ``prepare``, before any model is prepared, the core adopts it
+    when the run left ``gradient_accumulation_steps`` at its default (no source set it, 1), and
+    keeps the run's count otherwise. The strategy then reads the result — ``run.stash[ACCUMULATION_STATE]``,
+    typed read-only (:class:`~torchrig.plugin.types.AccumulationState`) — to build its engine, and
+    reads ``sync_gradients`` from it on each micro-step. DeepSpeed: ``deepspeed_config.gradient_accumulation_steps``
+    or a number in its JSON, else None; DDP, FSDP2 and an N-D mesh: None (the core counts, their
+    ``no_sync`` slot suppresses the micro-steps' communication).
+
     - phase: preparation, once before the first model is prepared.
     - ranks: every worker. kind: firstresult (the selected strategy answers).
     - return: :class:`~torchrig.plugin.types.Capabilities`.
-    - default: owns nothing; every rank is a data-parallel rank.
+    - default: owns nothing; every rank is a data-parallel rank; no accumulation count.
     """
 
 

@@ -7,7 +7,7 @@ this module never imports torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 
@@ -61,6 +61,13 @@ class Capabilities:
     #: The strategy counts micro-steps itself and steps only at accumulation boundaries (the
     #: core's ``accumulate()`` then neither skips optimizer steps nor enters ``no_sync``).
     owns_accumulation: bool = False
+    #: The micro-steps per optimizer step the strategy's own configuration fixes (DeepSpeed:
+    #: ``deepspeed_config.gradient_accumulation_steps``, or a number in its JSON), or None. The
+    #: core owns the run's count: it adopts this value at ``prepare`` when the run left
+    #: ``gradient_accumulation_steps`` at its default (no source set it, 1), so ``accumulate()``
+    #: counts what the engine counts; an explicit setting stands. The strategy then reads the
+    #: run's count (:data:`ACCUMULATION_STATE`) to build its engine — it never writes it.
+    accumulation_steps: int | None = None
     #: The strategy applies mixed precision itself; the precision plugin's step-plan hook is
     #: not called, and the strategy reads ``mixed_precision`` from the config.
     owns_precision: bool = False
@@ -258,10 +265,42 @@ class Stash:
         return len(self._data)
 
 
+class AccumulationState(Protocol):
+    """The run's gradient accumulation as a plugin may see it: read-only.
+
+    The core writes it (``accumulate()``, the Accelerator's settings, the count a strategy
+    declares in :attr:`Capabilities.accumulation_steps`); a strategy reads it where its engine
+    must agree with the core — the count it builds the engine with, whether this micro-step
+    ends a cycle (``sync_gradients``), whether schedulers follow optimizer steps.
+    """
+
+    @property
+    def num_steps(self) -> int:
+        """Micro-steps per optimizer step."""
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on the micro-step that ends an accumulation cycle."""
+
+    @property
+    def adjust_scheduler(self) -> bool:
+        """False: schedulers step on every call (a schedule written in micro-steps)."""
+
+    @property
+    def step_scheduler_with_optimizer(self) -> bool:
+        """False: schedulers step on every call (``Accelerator(step_scheduler_with_optimizer=False)``)."""
+
+
+#: Where a run keeps the core's gradient-accumulation state (``run.stash[ACCUMULATION_STATE]``),
+#: created with the Accelerator; typed read-only for plugins.
+ACCUMULATION_STATE: StashKey[AccumulationState] = StashKey("torchrig.training.gradient_state")
+
 #: A factory of context managers: ``with plan.autocast(): ...``
 ContextFactory = Callable[[], Any]
 
 __all__ = [
+    "ACCUMULATION_STATE",
+    "AccumulationState",
     "Capabilities",
     "CliFlag",
     "ClusterInfo",

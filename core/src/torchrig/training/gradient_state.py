@@ -3,11 +3,11 @@ optimizers, schedulers and dataloaders (through ``run.stash[GRADIENT_STATE]``, n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
-from torchrig.plugin.types import StashKey
+from torchrig.plugin.types import ACCUMULATION_STATE, StashKey
 
 
 @attrs.define
@@ -54,6 +54,15 @@ class GradientState:
         loaders = self.active_dataloaders
         return loaders[-1].remainder if loaders else -1
 
+    def adopt_strategy_steps(self, steps: int | None, *, configured: bool) -> None:
+        """Count the micro-steps the strategy's configuration fixes (``Capabilities.accumulation_steps``)
+        unless the run set its own (``configured``: a source set ``gradient_accumulation_steps``, or
+        the count is not the default 1): the engine and ``accumulate()`` must count alike, and the
+        core, not the strategy, writes this state. Conflicting explicit values were refused at
+        configuration."""
+        if steps is not None and not configured and self.num_steps == 1:
+            self.num_steps = int(steps)
+
     def enter_dataloader(self, loader: Any) -> None:
         """``loader`` (innermost from now on) has ``end_of_dataloader`` and ``remainder``."""
         self.active_dataloaders.append(loader)
@@ -66,8 +75,9 @@ class GradientState:
             loaders.remove(loader)
 
 
-#: Where the run keeps its :class:`GradientState`.
-GRADIENT_STATE: StashKey[GradientState] = StashKey("torchrig.training.gradient_state")
+#: Where the run keeps its :class:`GradientState`: the key plugins read it by
+#: (:data:`torchrig.plugin.types.ACCUMULATION_STATE`, typed read-only), typed for the core's writes.
+GRADIENT_STATE = cast("StashKey[GradientState]", ACCUMULATION_STATE)
 
 
 def gradient_state_of(run: Any) -> GradientState:

@@ -32,14 +32,21 @@ from torchrig.config.options import DataLoaderConfiguration
 from torchrig.host.run import RunContext
 from torchrig.logging import get_logger
 from torchrig.plugin.markers import hookimpl
-from torchrig.plugin.types import Capabilities, LaunchPlan, PreparedModel, StashKey
+from torchrig.plugin.types import (
+    ACCUMULATION_STATE,
+    AccumulationState,
+    Capabilities,
+    LaunchPlan,
+    PreparedModel,
+    StashKey,
+)
 from torchrig.scheduler import OptimizerStepScheduler
-from torchrig.training.gradient_state import GradientState, gradient_state_of
 from torchrig.training.step_plan import StepPlanBuilder
 
 from torchrig_deepspeed import checkpoint as ds_checkpoint
 from torchrig_deepspeed.config_checks import SECTION
 from torchrig_deepspeed.ds_config import EngineConfig, engine_config, micro_batch_of
+from torchrig_deepspeed.ds_json import load_deepspeed_json
 from torchrig_deepspeed.jit_ops import watching_jit_builds
 from torchrig_deepspeed.options import DeepSpeedPlugin
 from torchrig_deepspeed.placeholders import DummyScheduler, EngineBuiltScheduler
@@ -139,7 +146,10 @@ class DeepSpeedStrategy:
 
     @hookimpl
     def torchrig_strategy_capabilities(self, run: RunContext) -> Capabilities:
+        """The engine counts micro-steps and divides the loss itself; the count its configuration
+        fixes is declared so the core's ``accumulate()`` counts the same."""
         return Capabilities(owns_accumulation=True, owns_precision=True,
+                            accumulation_steps=_configured_accumulation(deepspeed_options(run)),
                             data_parallel_size=run.cluster.world_size, data_parallel_rank=run.cluster.rank)
 
     # -- preparation -----------------------------------------------------------------------------
@@ -158,7 +168,7 @@ class DeepSpeedStrategy:
         optimizer = optimizers[0] if optimizers else None
         built = engine_config(
             options, mixed_precision=str(run.option("mixed_precision") or "no"),
-            accumulation_steps=_accumulation_steps(run, options), world_size=run.cluster.world_size,
+            accumulation_steps=accumulation_of(run).num_steps, world_size=run.cluster.world_size,
             micro_batch=micro_batch_of(run.stash.get(LOADERS) or [], options.is_train_batch_min),
             model=model, optimizer=optimizer, scheduler=schedulers[0] if schedulers else None,
             split_batches=bool(run.section(DataLoaderConfiguration).split_batches))
@@ -223,12 +233,12 @@ class DeepSpeedStrategy:
         records = [r for r in (_record_of_optimizer(run, o) for o in optimizers) if r is not None]
         if not records:
             return None
-        return EngineScheduler(scheduler, records[0], gradient_state_of(run))
+        return EngineScheduler(scheduler, records[0], accumulation_of(run))
 
     @hookimpl
     def torchrig_strategy_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
         records = engines_of(run)
-        state = gradient_state_of(run)
+        state = accumulation_of(run)
 
         def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             unknown = sorted(set(kwargs) - {"retain_graph"})
@@ -298,7 +308,7 @@ class EngineScheduler(OptimizerStepScheduler):
     advance. ``step_scheduler_with_optimizer=False`` and ``adjust_scheduler=False`` step it on
     every call, as with the other strategies."""
 
-    def __init__(self, scheduler: Any, record: EngineRecord, gradient_state: GradientState) -> None:
+    def __init__(self, scheduler: Any, record: EngineRecord, gradient_state: AccumulationState) -> None:
         super().__init__(scheduler, [], gradient_state)
         self.record = record
         self._seen = record.applied_steps
@@ -513,24 +523,23 @@ def _import_deepspeed(run: RunContext) -> Any:
     return deepspeed
 
 
-def _accumulation_steps(run: RunContext, options: DeepSpeedPlugin) -> int:
-    """One number of micro-steps for the core's ``accumulate()`` and for the engine: the top-level
-    option when a source set it, else ``deepspeed_config.gradient_accumulation_steps``, else a
-    concrete value in the DeepSpeed JSON, else 1. (Conflicts were refused before launch.)"""
-    from torchrig_deepspeed.config_checks import load_deepspeed_json
+def accumulation_of(run: RunContext) -> AccumulationState:
+    """The run's gradient accumulation, read-only: the core counts micro-steps and, at ``prepare``,
+    adopted the count this strategy declared (``Capabilities.accumulation_steps``) unless the run
+    set its own — the engine is built with that one count."""
+    return run.stash[ACCUMULATION_STATE]
 
-    state = gradient_state_of(run)
-    is_set = getattr(run.config, "is_set", None)
-    explicit = bool(is_set("gradient_accumulation_steps")) if is_set is not None else False
-    if explicit or state.num_steps != 1:
-        return state.num_steps
-    steps = options.gradient_accumulation_steps
-    if steps is None and options.hf_ds_config is not None:
-        value = load_deepspeed_json(options.hf_ds_config).data.get("gradient_accumulation_steps")
-        steps = value if isinstance(value, int) and not isinstance(value, bool) else None
-    if steps is not None and steps != state.num_steps:
-        state.num_steps = int(steps)  # accumulate() counts what the engine counts
-    return state.num_steps
+
+def _configured_accumulation(options: DeepSpeedPlugin) -> int | None:
+    """The micro-steps the DeepSpeed configuration fixes: ``deepspeed_config.gradient_accumulation_steps``,
+    else a number in the DeepSpeed JSON, else None (``"auto"`` or absent: the run's count). A
+    top-level ``gradient_accumulation_steps`` that disagrees was refused before launch."""
+    if options.gradient_accumulation_steps is not None:
+        return int(options.gradient_accumulation_steps)
+    if options.hf_ds_config is None:
+        return None
+    value = load_deepspeed_json(options.hf_ds_config).data.get("gradient_accumulation_steps")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _parameter_groups(model: Any, optimizer: Any) -> list[Any]:
