@@ -13,15 +13,9 @@ import sys
 
 import attrs
 import pytest
-from torchrig.builtins.clusters import (
-    expand_hostlist,
-    mpi_hands_off,
-    mpirun_command,
-    parse_tasks_per_node,
-    slurm_launch_mode,
-    slurm_master_port,
-    srun_command,
-)
+from torchrig.builtins.clusters.mpi import mpi_hands_off, mpirun_command
+from torchrig.builtins.clusters.slurm import slurm_launch_mode, slurm_master_port, srun_command
+from torchrig.builtins.clusters.slurm_hostlist import expand_hostlist, parse_tasks_per_node
 from torchrig.host.plugin_host import PluginStatus
 from torchrig.plugin.types import ClusterInfo, LaunchPlan
 from torchrig.testing import make_host
@@ -291,8 +285,9 @@ def test_cluster_plugins_are_installed_with_their_documented_priorities():
 
 @pytest.mark.multiprocess
 def test_cluster_modules_do_not_import_torch():
-    code = ("import sys, torchrig.builtins.clusters, torchrig.builtins.adopted, torchrig.builtins.manifests; "
-            "print('torch' in sys.modules)")
+    modules = ", ".join(f"torchrig.builtins.clusters.{name}" for name in (
+        "torchelastic", "slurm", "slurm_hostlist", "mpi", "env", "process_group", "local", "handoff_options"))
+    code = f"import sys, {modules}, torchrig.builtins.manifests; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from torchrig.builtins.clusters.handoff_options import MPIOptions, SlurmOptions
 from torchrig.builtins.device_presence import cuda_absence, mps_absence
-from torchrig.builtins.handoff import MPIOptions, SlurmOptions
 from torchrig.plugin.hookspecs import HOOK_API_VERSION
 from torchrig.plugin.manifest import PluginManifest
 from torchrig.plugin.types import ConfigSection
@@ -67,7 +67,7 @@ class DEVICE_CUDA(_Device):
 
 # Cluster environments, asked in descending priority (torchrig.builtins.clusters explains why):
 # torchelastic 50 > slurm 40 > mpi 30 > env 20 > process_group 10 > local -100 > the core default
-# (one process); env and process_group: torchrig.builtins.adopted.
+# (one process); each one's runtime is its module in torchrig.builtins.clusters.
 
 
 class _Cluster(PluginManifest):

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from torchrig.builtins.adopted import existing_default_group
+from torchrig.builtins.clusters.process_group import existing_default_group
 from torchrig.config.resolve import Layer, ResolvedConfig
 from torchrig.errors import ConfigError
 from torchrig.plugin.types import StashKey
