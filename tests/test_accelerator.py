@@ -344,16 +344,18 @@ def test_shuffled_training_is_bit_identical_to_a_hand_written_loop_with_the_same
 def test_a_second_strategy_on_the_same_world_raises():
     from torchrig.host.run import RunContext
     from torchrig.host.runtime import claim_world
+    from torchrig.testing import make_host, resolved_config
 
-    first = RunContext(config={"strategy": "single"})
+    host = make_host()
+    first = RunContext(config=resolved_config({"strategy": "single"}, host=host))
     claim_world(first)
     with pytest.raises(RuntimeError, match="already runs an Accelerator with strategy 'single'"):
-        claim_world(RunContext(config={"strategy": "ddp"}))
+        claim_world(RunContext(config=resolved_config({"strategy": "ddp"}, host=host)))
     del first
     import gc
 
     gc.collect()
-    claim_world(RunContext(config={"strategy": "ddp"}))  # the first run ended: the world is free
+    claim_world(RunContext(config=resolved_config({"strategy": "ddp"}, host=host)))  # the first run ended: the world is free
 
 
 def test_regional_compilation_compiles_each_repeated_block():

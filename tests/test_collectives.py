@@ -74,8 +74,10 @@ def _shard_through_the_default_hook(ctx):
     host = make_host()
     host.select_auto("device", only="cpu")
     from torchrig.host.run import RunContext
+    from torchrig.testing import resolved_config
 
-    run = RunContext(plugins=host, cluster=ClusterInfo(rank=ctx.rank, world_size=ctx.world_size))
+    run = RunContext(config=resolved_config(host=host), plugins=host,
+                     cluster=ClusterInfo(rank=ctx.rank, world_size=ctx.world_size))
     run.device = host.hook.torchrig_select_device(run=run)
     negotiate_capabilities(host, run)
     loader = host.hook.torchrig_prepare_dataloader(

@@ -9,6 +9,7 @@ seed being *derived*, it seeds the global RNG first.
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -29,14 +30,21 @@ from torchrig.distributed.collectives import Collectives
 from torchrig.distributed.nested import send_to_device
 from torchrig.host.run import RunContext
 from torchrig.plugin.types import ClusterInfo
+from torchrig.testing import make_host, resolved_config
 from torchrig.training.gradient_state import gradient_state_of
 
 # --------------------------------------------------------------------------------------------
 # helpers (module level: the pool sends functions and data with plain pickle)
 
 
+@functools.cache
+def _host():
+    return make_host()
+
+
 def make_run(rank: int = 0, world_size: int = 1, **dataloader_config) -> RunContext:
-    config = {f"dataloader_config.{key}": value for key, value in dataloader_config.items()}
+    config = resolved_config({f"dataloader_config.{key}": value for key, value in dataloader_config.items()},
+                             host=_host())
     run = RunContext(config=config, cluster=ClusterInfo(rank=rank, world_size=world_size))
     run.device = CPUBackend()
     run.collectives = Collectives(world_size=world_size)

@@ -14,13 +14,13 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from torchrig.checkpoint import CheckpointWriter
 from torchrig.host.runtime import start_run
 from torchrig.plugin.types import LaunchPlan, PreparedModel
-from torchrig.testing import make_host
+from torchrig.testing import make_host, resolved_config
 
 
 @pytest.fixture
 def single_run():
     host = make_host()
-    run = start_run(host, {"use_cpu": True}, environ={})
+    run = start_run(host, resolved_config({"use_cpu": True}, host=host), environ={})
     return host, run
 
 

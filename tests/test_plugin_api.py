@@ -14,12 +14,14 @@ import re
 
 import pytest
 import torchrig.plugin
+from torchrig.cli.new_plugin import render
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLUGIN_SOURCES = sorted([*ROOT.glob("plugins/*/src"), ROOT / "examples" / "localsgd" / "src"])
 API_MODULE = "torchrig.plugin"
 #: Being split by another change (issue 35, DeepSpeed's accumulation contract); its imports switch after it.
-PENDING = {"plugins/deepspeed/src/torchrig_deepspeed/strategy.py"}
+PENDING = {"plugins/deepspeed/src/torchrig_deepspeed/strategy.py", "plugins/deepspeed/src/torchrig_deepspeed/engines.py",
+           "plugins/deepspeed/src/torchrig_deepspeed/clipping.py"}
 
 
 def _torchrig_imports(tree: ast.AST) -> list[tuple[int, str, list[str]]]:
@@ -95,3 +97,41 @@ def test_the_api_package_imports_no_torchrig_module() -> None:
             continue
         runtime_imports += [module for _, module, _ in _torchrig_imports(node)]
     assert runtime_imports == []
+
+
+@pytest.mark.parametrize("kind", ["strategy", "precision", "device", "tracker", "cluster"])
+def test_new_plugin_templates_import_only_the_plugin_api_and_read_typed_sections(kind: str) -> None:
+    """What ``torchrig new-plugin`` renders is what third parties start from: the one import home
+    and the one way to read configuration."""
+    offences = []
+    for path, text in render("acme", kind).items():
+        if path.startswith("src/") and path.endswith(".py"):
+            tree = ast.parse(text, path)
+            offences += [f"{path}:{line}: {module}" for line, module, _ in _torchrig_imports(tree) if module != API_MODULE]
+            offences += [f"{path}:{line}: {what}" for line, what in _other_config_idioms(tree)]
+    assert not offences, offences
+
+
+def _other_config_idioms(tree: ast.AST) -> list[tuple[int, str]]:
+    """Reading configuration any other way than ``run.section(Options)``: ``run.option(...)``,
+    ``run.config[...]``/``run.config.get(...)``, and ``getattr(..., "is_set", ...)`` probes."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = ast.unparse(node.func.value)
+            if node.func.attr == "option" and target.split(".")[-1] == "run":
+                found.append((node.lineno, f"{ast.unparse(node)} — read run.section(YourOptions).<field>"))
+            elif node.func.attr == "get" and target.endswith("run.config"):
+                found.append((node.lineno, f"{ast.unparse(node)} — read run.section(YourOptions).<field>"))
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("run.config"):
+            found.append((node.lineno, f"{ast.unparse(node)} — read run.section(YourOptions).<field>"))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "is_set"):
+            found.append((node.lineno, f"{ast.unparse(node)} — run.config is a ResolvedConfig: call .is_set(key)"))
+    return found
+
+
+def test_plugin_sources_read_configuration_through_typed_sections() -> None:
+    offences = [f"{path.relative_to(ROOT)}:{line}: {what}" for path in _plugin_files()
+                for line, what in _other_config_idioms(ast.parse(path.read_text(), str(path)))]
+    assert not offences, "plugins read configuration outside run.section(Options):\n" + "\n".join(offences)

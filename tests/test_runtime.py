@@ -14,7 +14,7 @@ from torchrig.host.runtime import build_step_plan, start_run
 from torchrig.plugin.hookspecs import HOOK_API_VERSION
 from torchrig.plugin.manifest import PluginManifest
 from torchrig.plugin.types import Capabilities
-from torchrig.testing import HookRecorder, make_host, plugin_distribution
+from torchrig.testing import HookRecorder, make_host, plugin_distribution, resolved_config
 
 
 class OwnsEverythingManifest(PluginManifest):
@@ -53,8 +53,9 @@ SINGLE_PROCESS = {}
 
 def test_exact_hook_order_of_a_single_process_run():
     host = make_host()
+    config = resolved_config({"use_cpu": True}, host=host)  # resolving asks the config hooks: before recording
     with HookRecorder(host) as rec:
-        run = start_run(host, {"use_cpu": True}, environ=SINGLE_PROCESS)
+        run = start_run(host, config, environ=SINGLE_PROCESS)
         plan = build_step_plan(host, run)
     rec.assert_order(
         [
@@ -80,7 +81,7 @@ def test_exact_hook_order_of_a_single_process_run():
 
 def test_step_plan_hooks_are_not_called_per_step():
     host = make_host()
-    run = start_run(host, {"use_cpu": True}, environ=SINGLE_PROCESS)
+    run = start_run(host, resolved_config({"use_cpu": True}, host=host), environ=SINGLE_PROCESS)
     plan = build_step_plan(host, run)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -96,7 +97,7 @@ def test_step_plan_hooks_are_not_called_per_step():
 
 def test_precision_plugin_owns_its_slots_and_fp16_skips_an_overflowing_step():
     host = make_host()
-    run = start_run(host, {"use_cpu": True, "mixed_precision": "fp16"}, environ=SINGLE_PROCESS)
+    run = start_run(host, resolved_config({"use_cpu": True, "mixed_precision": "fp16"}, host=host), environ=SINGLE_PROCESS)
     plan = build_step_plan(host, run)
     for slot in ("autocast", "backward", "unscale_gradients", "optimizer_step"):
         assert plan.owners[slot] == "precision:fp16"
@@ -123,7 +124,7 @@ def test_precision_plugin_owns_its_slots_and_fp16_skips_an_overflowing_step():
 
 def test_bf16_autocast_on_cpu():
     host = make_host()
-    run = start_run(host, {"use_cpu": True, "mixed_precision": "bf16"}, environ=SINGLE_PROCESS)
+    run = start_run(host, resolved_config({"use_cpu": True, "mixed_precision": "bf16"}, host=host), environ=SINGLE_PROCESS)
     plan = build_step_plan(host, run)
     assert plan.owners["autocast"] == "precision:bf16"
     assert plan.owners["backward"] == "core"
@@ -134,8 +135,9 @@ def test_bf16_autocast_on_cpu():
 
 def test_strategy_that_owns_precision_skips_the_precision_hook(engine_like):
     host = make_host(engine_like)
+    config = resolved_config({"strategy": "enginelike", "mixed_precision": "bf16"}, host=host)
     with HookRecorder(host) as rec:
-        run = start_run(host, {"strategy": "enginelike", "mixed_precision": "bf16"}, environ=SINGLE_PROCESS)
+        run = start_run(host, config, environ=SINGLE_PROCESS)
         plan = build_step_plan(host, run)
     assert "torchrig_precision_step_plan" not in rec.names
     rec.assert_order(["torchrig_strategy_capabilities", "torchrig_strategy_step_plan"])
@@ -164,7 +166,7 @@ def test_single_strategy_refuses_a_multi_process_job():
             return True  # this test exercises the strategy's check, not a real group
 
     host.register(TwoRanks(), "cluster:tworanks")
-    run = start_run(host, {}, environ=SINGLE_PROCESS)
+    run = start_run(host, resolved_config(host=host), environ=SINGLE_PROCESS)
     with pytest.raises(RuntimeError, match="strategy 'single' was selected but this job has 2 processes"):
         build_step_plan(host, run)
 
@@ -187,19 +189,20 @@ def test_a_run_still_alive_at_interpreter_exit_is_unconfigured_once(tmp_path):
         import sys
         from torchrig import hookimpl
         from torchrig.host.runtime import end_run, start_run
-        from torchrig.testing import make_host
+        from torchrig.testing import make_host, resolved_config
 
         class Releases:
             @hookimpl
             def torchrig_unconfigure(self, run):
                 with open({str(marker)!r}, "a") as handle:
-                    handle.write(run.config["tag"] + "\\n")
+                    handle.write(run.config["project_config.project_dir"] + "\\n")
 
         runs = []
         for tag in ("ended", "alive"):
             host = make_host()
             host.register(Releases(), "releases")
-            runs.append(start_run(host, {{"use_cpu": True, "tag": tag}}, environ={{}}))
+            runs.append(start_run(host, resolved_config({{"use_cpu": True, "project_config.project_dir": tag}}, host=host),
+                                  environ={{}}))
         end_run(runs[0])
         end_run(runs[0])
     """)

@@ -158,8 +158,7 @@ def check_compatible(manager: ManagerView, directory: str, manifest: Mapping[str
                                 != topology.current(ledger.run)["data_parallel_size"]):
         saved_order, data_order = _one_batch_size(saved_order, data_order)
     if not allow_config_change:
-        is_set = getattr(ledger.run.config, "is_set", None)  # a resolved configuration knows each key's source
-        defaulted = [key for key in config_keys if is_set is not None and not is_set(key)]
+        defaulted = [key for key in config_keys if not ledger.run.config.is_set(key)]
         lines = diff(saved_config, config_keys, defaulted)
         if saved.get("data_order") is not None and saved_order != data_order:
             lines.extend(f"data order, dataloader {line}" for line in diff(

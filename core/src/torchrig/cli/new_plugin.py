@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import attrs
 
-from torchrig.config.schema import $validators, option
+from torchrig.plugin import $validators, option
 
 
 @attrs.frozen(kw_only=True)
@@ -86,7 +86,7 @@ validation): keep it importable without torch and without this plugin's heavy de
 
 from __future__ import annotations
 
-from torchrig import HOOK_API_VERSION, CliFlag, ConfigSection, PluginManifest
+from torchrig.plugin import HOOK_API_VERSION, CliFlag, ConfigSection, PluginManifest
 
 
 class ${cls}Manifest(PluginManifest):
@@ -134,7 +134,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from torchrig import PreparedModel, RunContext, hookimpl
+from torchrig.plugin import PreparedModel, RunContext, hookimpl
 $options_import
 
 class $cls:
@@ -186,7 +186,7 @@ from typing import Any
 
 import torch
 
-from torchrig import RunContext, StepPlanBuilder, hookimpl
+from torchrig.plugin import RunContext, StepPlanBuilder, hookimpl
 $options_import
 
 class $cls:
@@ -233,7 +233,7 @@ from __future__ import annotations
 
 import torch
 
-from torchrig import DeviceBackend, RunContext, hookimpl
+from torchrig.plugin import DeviceBackend, RunContext, hookimpl
 $options_import
 
 class ${cls}Backend(DeviceBackend):
@@ -276,7 +276,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torchrig import ClusterInfo, hookimpl
+from torchrig.plugin import ClusterInfo, hookimpl
 
 PREFIX = "${upper}_"
 
@@ -350,8 +350,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from torchrig import RunContext, Tracker, hookimpl
-from torchrig.plugin.tracker import as_scalar, flatten
+from torchrig.plugin import RunContext, Tracker, as_scalar, flatten, hookimpl
 $options_import
 
 class ${cls}Tracker(Tracker):

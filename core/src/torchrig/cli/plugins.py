@@ -19,8 +19,7 @@ def _status(info: PluginInfo) -> tuple[str, str | None]:
     """The listed status and reason. An installed plugin whose hardware is absent says so through its
     manifest's ``unavailable_reason`` (a device plugin with no device is not "available")."""
     if info.status is PluginStatus.AVAILABLE:
-        ask = getattr(info.manifest, "unavailable_reason", None)  # a manifest not built on PluginManifest
-        absent = ask() if callable(ask) else None
+        absent = info.manifest.unavailable_reason() if info.manifest is not None else None
         if absent:
             return PluginStatus.UNAVAILABLE.value, absent
         if info.key in DEFAULT_SELECTION:

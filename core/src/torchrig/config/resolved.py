@@ -138,7 +138,10 @@ class ResolvedConfig(Mapping[str, Any]):
 
     def section_of(self, options: type[T]) -> T:
         """The section whose options object is an ``options`` (its attrs class): the typed way to
-        read a section, with each default declared once, on the class."""
+        read a section, with each default declared once, on the class. ``CoreOptions`` gives the
+        top-level keys (``mixed_precision``, ``strategy``...)."""
+        if options is CoreOptions:
+            return self.core  # type: ignore[return-value]  # the top-level keys are the core's own section
         reference = options_reference(options)
         keys = [key for key, section in self.declared.items() if options_reference(section.options) == reference]
         if len(keys) != 1:

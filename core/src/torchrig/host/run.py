@@ -6,14 +6,11 @@ notebooks) never corrupt each other: each has its own plugin manager and its own
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
-from torchrig.config.options import CORE_SECTIONS
 from torchrig.config.resolved import ResolvedConfig
-from torchrig.config.sections import Schema, options_reference
 from torchrig.config.sources import Source
 from torchrig.plugin.types import Capabilities, ClusterInfo, Stash
 
@@ -25,13 +22,24 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchrig.host.plugin_host import PluginHost
 
 
+def _resolved(config: object) -> ResolvedConfig:
+    """Refuse anything but a :class:`ResolvedConfig` (a plain mapping has no sources, no typed
+    sections and no defaults: every reader would need a fallback)."""
+    if not isinstance(config, ResolvedConfig):
+        raise TypeError(
+            f"RunContext(config=...) takes the run's ResolvedConfig, not a {type(config).__name__}: resolve the "
+            "configuration once with torchrig.config.resolve.resolve_config(host, arguments={...}) (in tests: "
+            "torchrig.testing.resolved_config({...}))")
+    return config
+
+
 @attrs.define(eq=False)
 class RunContext:
     """One process's view of the run: configuration, where it sits, which device, what the
     strategy owns, and a :class:`~torchrig.plugin.types.Stash` for plugin data."""
 
-    #: The resolved configuration (dotted keys, e.g. ``"mixed_precision"``).
-    config: Mapping[str, Any] = attrs.field(factory=dict)
+    #: The resolved configuration: typed sections (:meth:`section`), each value's source, ``is_set``.
+    config: ResolvedConfig = attrs.field(converter=_resolved)
     #: The plugin host that created this run.
     plugins: PluginHost | None = None
     cluster: ClusterInfo = attrs.field(factory=ClusterInfo)
@@ -42,36 +50,22 @@ class RunContext:
     #: True once ``torchrig_unconfigure`` was called for this run (it is called once).
     ended: bool = False
 
-    def option(self, key: str, default: Any = None) -> Any:
-        """A configuration value by dotted key, or ``default``."""
-        return self.config.get(key, default)
+    def section(self, options: type[T]) -> T:
+        """A configuration section as its typed options object, found by class — the one way plugins
+        read their configuration, so each default lives once, on the class:
+        ``run.section(FullyShardedDataParallelPlugin)``, the core's ``run.section(ParallelismConfig)``,
+        and the top-level keys ``run.section(CoreOptions).mixed_precision``."""
+        return self.config.section_of(options)
+
+    def option(self, key: str) -> Any:
+        """The core's own reads of a value by dotted key (a KeyError names an undeclared key).
+        Plugins read :meth:`section` instead."""
+        return self.config[key]
 
     def option_source(self, key: str) -> Source | None:
-        """Where the value of ``key`` came from (its layer and place: file:line, variable, flag),
-        or None when the run's configuration is a plain mapping (test and contract kits build
-        such runs: every key there is given) or no layer declares ``key``."""
-        if isinstance(self.config, ResolvedConfig):
-            return self.config.sources.get(key)
-        return None
-
-    def section(self, options: type[T]) -> T:
-        """A configuration section as its typed options object, found by class
-        (``run.section(FullyShardedDataParallelPlugin)``) — how plugins read their options, so
-        each default lives once, on the class.
-
-        A run whose configuration is a plain mapping (test and contract kits build such runs) gets
-        one made from the section's dotted keys; the plugin host tells under which key the class
-        is declared (the core's own sections are known without one).
-        """
-        if isinstance(self.config, ResolvedConfig):
-            return self.config.section_of(options)
-        declared = (Schema(self.plugins).sections.values() if self.plugins is not None else CORE_SECTIONS)
-        reference = options_reference(options)
-        keys = [section.key for section in declared if options_reference(section.options) == reference]
-        if not keys:
-            raise KeyError(f"no installed plugin declares a configuration section of type {options.__qualname__}")
-        prefix = keys[0] + "."
-        return options(**{key[len(prefix):]: value for key, value in self.config.items() if key.startswith(prefix)})
+        """Where the value of ``key`` came from (its layer and place: file:line, variable, flag), or
+        None when no layer declares ``key``."""
+        return self.config.sources.get(key)
 
 
 __all__ = ["RunContext"]

@@ -16,6 +16,7 @@ from typing import Any
 
 from torchrig.compat.enums import DistributedType
 from torchrig.config.resolve import Layer, resolve_config
+from torchrig.config.resolved import ResolvedConfig
 from torchrig.defaults import process as process_defaults
 from torchrig.distributed.process_group import adopt_existing_group, record_group, release_groups_at_exit
 from torchrig.errors import NoEffectWarning
@@ -54,7 +55,7 @@ def select_plugins(host: PluginHost, config: Mapping[str, Any]) -> None:
 
 def start_run(
     host: PluginHost,
-    config: Mapping[str, Any],
+    config: ResolvedConfig,
     environ: Mapping[str, str] | None = None,
     *,
     cluster: ClusterInfo | None = None,

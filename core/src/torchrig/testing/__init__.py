@@ -4,7 +4,8 @@ Everything a plugin distribution needs to prove itself without installing anythi
 (docs/plugins.md, "Testing a plugin"):
 
 * plugin hosts and fake distributions — :func:`make_host` (a fresh plugin manager over the
-  installed distributions plus fakes), :class:`FakeDistribution`, :func:`plugin_distribution`,
+  installed distributions plus fakes), :func:`resolved_config` (the ``ResolvedConfig`` a run built
+  by hand takes), :class:`FakeDistribution`, :func:`plugin_distribution`,
   :class:`FakeModules`: discovery tests without installing anything;
 * :class:`HookRecorder` / :class:`HookCall` — record the hook calls a host makes and assert their
   order;
@@ -55,6 +56,7 @@ _LAZY = {
     "leftover_processes": "torchrig.testing.processes",
     "spawn_in_new_session": "torchrig.testing.processes",
     "make_host": "torchrig.testing.hosts",
+    "resolved_config": "torchrig.testing.hosts",
     "TinyRun": "torchrig.testing.runs",
     "tiny_run": "torchrig.testing.runs",
     "rank_environment": "torchrig.testing.contracts",

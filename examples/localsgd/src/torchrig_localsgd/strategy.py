@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torchrig.plugin import Capabilities, PreparedModel, RunContext, StashKey, StepPlanBuilder, hookimpl
 
-from torchrig_localsgd.manifest import SECTION
+from torchrig_localsgd.options import LocalSGDKwargs
 
 
 @attrs.define(eq=False)
@@ -109,8 +109,9 @@ def broadcast_(tensors: Sequence[Any], src: int = 0) -> None:
 def _averager(run: RunContext) -> Averager:
     averager = run.stash.get(KEY)
     if averager is None:
-        averager = Averager(world_size=run.cluster.world_size, sync_every=int(run.option(f"{SECTION}.sync_every", 4)),
-                            average_buffers=bool(run.option(f"{SECTION}.average_buffers", True)))
+        options = run.section(LocalSGDKwargs)  # typed, each default declared once: on the options class
+        averager = Averager(world_size=run.cluster.world_size, sync_every=options.sync_every,
+                            average_buffers=options.average_buffers)
         run.stash[KEY] = averager
     return averager
 

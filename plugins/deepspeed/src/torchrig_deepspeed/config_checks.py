@@ -30,7 +30,7 @@ import warnings
 from collections.abc import KeysView, Mapping
 from typing import Any
 
-from torchrig.plugin import ConfigError, ConfigProblem, suggest
+from torchrig.plugin import ConfigError, ConfigProblem, ResolvedConfig, suggest
 
 from torchrig_deepspeed.ds_json import DeepSpeedJSON, load_deepspeed_json
 
@@ -296,12 +296,11 @@ def _enabled(block: Any) -> bool | None:
     return None
 
 
-def _explicit(config: Mapping[str, Any], key: str) -> bool:
-    is_set = getattr(config, "is_set", None)
-    return bool(is_set(key)) if is_set is not None else key in config
+def _explicit(config: ResolvedConfig, key: str) -> bool:
+    return config.is_set(key)
 
 
-def deepspeed_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
+def deepspeed_problems(config: ResolvedConfig) -> list[ConfigProblem]:
     """Every problem of the DeepSpeed side of ``config`` (a resolved configuration)."""
     problems: list[ConfigProblem] = []
     ds: DeepSpeedJSON | None = None

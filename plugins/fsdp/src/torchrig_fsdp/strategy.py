@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchrig.plugin import (
     Capabilities,
+    CoreOptions,
     PreparedModel,
     RunContext,
     StashKey,
@@ -201,7 +202,7 @@ class FSDPStrategy:
             nd.wrap_loss_parallel(model)
         shard_mesh = nd.data_mesh(mesh) if nd.parallelism(run).enabled else mesh
         if shard_mesh is None:  # tensor parallel alone: no data axis to shard over
-            if run.option("mixed_precision") == "fp16" and nd.tp_mesh(mesh) is not None:
+            if run.section(CoreOptions).mixed_precision == "fp16" and nd.tp_mesh(mesh) is not None:
                 raise FSDPConfigError(_FP16_TP_ALONE)
             _materialize(model, options, rank0_state, device, run)
             for optimizer in prepared.optimizers:
@@ -237,7 +238,7 @@ class FSDPStrategy:
         group = pipeline.pp_group(run.stash.get(MESH))
         # pipeline stages: the total norm adds every stage's gradients (reduced over the pp group)
         plan.set("clip_grad_norm", clip_grad_norm if group is None else functools.partial(clip_grad_norm, group=group))
-        if run.cluster.world_size > 1 and run.option("mixed_precision") == "fp16":
+        if run.cluster.world_size > 1 and run.section(CoreOptions).mixed_precision == "fp16":
             self._install_scaler(run, plan)
         if nd.parallelism(run).loss_parallel and run.cluster.world_size > 1:
             plan.set("backward", nd.loss_parallel_backward(plan.get("backward")))
@@ -284,7 +285,7 @@ def mixed_precision_policy(run: RunContext, options: FullyShardedDataParallelPlu
     the root's outputs returned in fp32 (the loss is computed in full precision, as with autocast).
     ``fsdp_config.mixed_precision_policy`` overrides single fields."""
     fields: dict[str, Any] = {}
-    dtype = _COMPUTE_DTYPES.get(str(run.option("mixed_precision") or "no"))
+    dtype = _COMPUTE_DTYPES.get(run.section(CoreOptions).mixed_precision)
     if dtype is not None and dtype is not torch.float32:
         fields = {"param_dtype": dtype, "reduce_dtype": torch.float32, "output_dtype": torch.float32}
     for name, value in (options.mixed_precision_policy or {}).items():

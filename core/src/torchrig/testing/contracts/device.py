@@ -30,10 +30,11 @@ from torchrig.testing.contracts.precision import device_available
 
 def _runtime_and_run(device: str, local_rank: int = 0) -> tuple[Any, Any]:
     from torchrig import ClusterInfo, PluginHost, RunContext
+    from torchrig.testing.hosts import resolved_config
 
     host = PluginHost()
     runtime = host.select("device", device)
-    return runtime, RunContext(config={}, plugins=host, cluster=ClusterInfo(local_rank=local_rank))
+    return runtime, RunContext(config=resolved_config(host=host), plugins=host, cluster=ClusterInfo(local_rank=local_rank))
 
 
 class DeviceContract:

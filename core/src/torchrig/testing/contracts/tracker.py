@@ -64,11 +64,12 @@ class TrackerContract:
 
     def _run(self, *, rank: int = 0, world_size: int = 1) -> Any:
         from torchrig import ClusterInfo, PluginHost, RunContext
+        from torchrig.testing.hosts import resolved_config
 
         host = PluginHost()
         host.select("tracker", self.tracker)
         cluster = ClusterInfo(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
-        return RunContext(config={"log_with": [self.tracker]}, plugins=host, cluster=cluster)
+        return RunContext(config=resolved_config({"log_with": [self.tracker]}, host=host), plugins=host, cluster=cluster)
 
     def _hub(self, **kwargs: Any) -> Any:
         from torchrig.tracking.hub import TrackerHub
