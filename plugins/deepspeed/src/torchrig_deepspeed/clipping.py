@@ -17,7 +17,7 @@ import torch
 from torchrig.plugin import RunContext
 
 from torchrig_deepspeed.config_checks import SECTION
-from torchrig_deepspeed.engines import DeepSpeedStrategyError, EngineRecord
+from torchrig_deepspeed.engines import DeepSpeedStrategyError, EngineRecord, deepspeed_options
 
 
 def clip_grad_norm(run: RunContext, records: Sequence[EngineRecord], parameters: Any, max_norm: float,
@@ -46,8 +46,8 @@ def _apply_clipping(run: RunContext, record: EngineRecord, max_norm: float) -> N
     if current == max_norm:
         return
     if not record.built.clipping_open:
-        where = run.config.source(f"{SECTION}.gradient_clipping") if hasattr(run.config, "source") else None
-        origin = f"deepspeed_config.gradient_clipping ({where})" if run.option(f"{SECTION}.gradient_clipping") \
+        where = run.option_source(f"{SECTION}.gradient_clipping")
+        origin = f"deepspeed_config.gradient_clipping ({where})" if deepspeed_options(run).gradient_clipping \
             is not None else "the DeepSpeed config's gradient_clipping"
         raise DeepSpeedStrategyError(
             f"deepspeed: clip_grad_norm_(max_norm={max_norm:g}) but the engine clips at {current:g}, set by {origin}; "

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 import torch
-from torchrig.plugin import DataLoaderConfiguration, PreparedModel, RunContext, StashKey
+from torchrig.plugin import CoreOptions, DataLoaderConfiguration, PreparedModel, RunContext, StashKey
 
 from torchrig_deepspeed import checkpoint as ds_checkpoint
 from torchrig_deepspeed.config_checks import SECTION
@@ -151,7 +151,7 @@ def build_engine(run: RunContext, model: Any, optimizers: Sequence[Any], schedul
     records = engines_of(run)
     optimizer = optimizers[0] if optimizers else None
     built = engine_config(
-        options, mixed_precision=str(run.option("mixed_precision") or "no"),
+        options, mixed_precision=str(run.section(CoreOptions).mixed_precision or "no"),
         accumulation_steps=accumulation_steps, world_size=run.cluster.world_size,
         micro_batch=micro_batch_of(run.stash.get(LOADERS) or [], options.is_train_batch_min),
         model=model, optimizer=optimizer, scheduler=schedulers[0] if schedulers else None,
