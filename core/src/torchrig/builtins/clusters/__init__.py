@@ -67,8 +67,57 @@ which these two modules call. The layers contract (pyproject.toml) therefore put
 third-party plugin would be, and nothing in the core imports them (their entry points do). What the
 core does import sits low: :mod:`.process_group` (``distributed.process_group`` asks it whether a group
 exists) and :mod:`.handoff_options` (the torch-free manifests declare its sections). So this package's
-modules sit at different heights, and this ``__init__`` imports none of them: re-exporting the 0.1
-names here would put the package in one layer (import-linter refuses a layer that contains others).
-docs/changelog.md lists where each 0.1 name of ``torchrig.builtins.clusters``, ``torchrig.builtins.adopted``
-and ``torchrig.builtins.handoff`` lives now. Nothing here imports torch.
+modules sit at different heights, and this ``__init__`` imports none of them when it is imported: an
+``import`` of them here would put the package in one layer (import-linter refuses a layer that contains
+others). The 0.1 names of ``torchrig.builtins.clusters`` (then one module) resolve lazily for one release,
+with a ``DeprecationWarning`` naming their new module (:data:`MOVED_NAMES`); nothing in the repository
+uses them (tests/test_cluster_moved_names.py), so import-linter still sees every real dependency.
+docs/changelog.md lists where each name of the 0.1 modules ``torchrig.builtins.clusters``,
+``torchrig.builtins.adopted`` and ``torchrig.builtins.handoff`` lives now. Nothing here imports torch.
 """
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+_TORCHELASTIC = "torchrig.builtins.clusters.torchelastic"
+_SLURM = "torchrig.builtins.clusters.slurm"
+_HOSTLIST = "torchrig.builtins.clusters.slurm_hostlist"
+_MPI = "torchrig.builtins.clusters.mpi"
+
+#: 0.1 name of ``torchrig.builtins.clusters`` -> the module that holds it since 0.2. Goes in 0.3.
+MOVED_NAMES: dict[str, str] = {
+    "ELASTIC_RUN_ID": _TORCHELASTIC,
+    "ELASTIC_VARIABLES": _TORCHELASTIC,
+    "TorchElasticCluster": _TORCHELASTIC,
+    "started_by_elastic": _TORCHELASTIC,
+    "SLURM_INTERACTIVE_JOB_NAMES": _SLURM,
+    "SlurmCluster": _SLURM,
+    "detect_slurm": _SLURM,
+    "slurm_launch_mode": _SLURM,
+    "slurm_master_port": _SLURM,
+    "slurm_task_recognised": _SLURM,
+    "srun_command": _SLURM,
+    "expand_hostlist": _HOSTLIST,
+    "iter_hostlist": _HOSTLIST,
+    "parse_tasks_per_node": _HOSTLIST,
+    "MPICluster": _MPI,
+    "detect_mpi": _MPI,
+    "mpi_hands_off": _MPI,
+    "mpirun_command": _MPI,
+    "LocalCluster": "torchrig.builtins.clusters.local",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A 0.1 name, from its new module, with a warning each time (nothing is cached here, so every use is seen)."""
+    module = MOVED_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchrig.builtins.clusters' has no attribute {name!r}: it is a package of one "
+                             "module per environment (torchelastic, slurm, slurm_hostlist, mpi, env, process_group, "
+                             "local, handoff_options, cluster_environment); import the name from its module")
+    warnings.warn(f"torchrig.builtins.clusters.{name} moved to {module}.{name}; the old name goes in torchrig 0.3 "
+                  "(docs/changelog.md)", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), name)
