@@ -41,6 +41,8 @@ _API: dict[str, str] = {
     "PreparedModel": "torchrig.plugin.types",
     "Stash": "torchrig.plugin.types",
     "StashKey": "torchrig.plugin.types",
+    "ACCUMULATION_STATE": "torchrig.plugin.types",
+    "AccumulationState": "torchrig.plugin.types",
     # the run a runtime hook receives, and what it builds
     "RunContext": "torchrig.host.run",
     "ResolvedConfig": "torchrig.config.resolved",
@@ -172,6 +174,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchrig.plugin.markers import hookimpl, hookspec
     from torchrig.plugin.tracker import LogEvent, Tracker, as_scalar, flatten, jsonable
     from torchrig.plugin.types import (
+        ACCUMULATION_STATE,
+        AccumulationState,
         Capabilities,
         CliFlag,
         ClusterInfo,

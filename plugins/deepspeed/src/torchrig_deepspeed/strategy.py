@@ -33,18 +33,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torchrig.host.run import RunContext
-from torchrig.logging import get_logger
-from torchrig.plugin.markers import hookimpl
-from torchrig.plugin.types import (
+from torchrig.plugin import (
     ACCUMULATION_STATE,
     AccumulationState,
     Capabilities,
     LaunchPlan,
+    OptimizerStepScheduler,
     PreparedModel,
+    RunContext,
+    StepPlanBuilder,
+    get_logger,
+    hookimpl,
 )
-from torchrig.scheduler import OptimizerStepScheduler
-from torchrig.training.step_plan import StepPlanBuilder
 
 from torchrig_deepspeed import checkpoint as ds_checkpoint
 from torchrig_deepspeed import clipping
