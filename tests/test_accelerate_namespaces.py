@@ -25,6 +25,7 @@ from torchrig.compat.accelerate_names import ACCELERATE_SOURCE, TABLE
 from torchrig.compat.resolve import plugin_export, torchrig_path
 from torchrig.compat.targets import FromPlugin, Refused, RefusedNameError
 from torchrig.host.discovery import load_reference
+from torchrig.testing.scripts import load_script
 
 DATA = Path(__file__).parent / "data"
 SNAPSHOT = json.loads((DATA / "accelerate_names.json").read_text())
@@ -32,11 +33,7 @@ MIRRORED = ("state", "launchers", "data_loader", "optimizer", "scheduler", "trac
             "logging", "big_modeling")
 TIMEOUT = 300  # seconds the generator may take in a subprocess (not a measurement)
 
-sys.path.insert(0, str(DATA))
-try:
-    import gen_accelerate_names as generator
-finally:
-    sys.path.remove(str(DATA))
+generator = load_script(DATA / "gen_accelerate_names.py")
 
 
 def test_the_names_come_from_the_accelerate_1_15_release_by_the_written_rule():

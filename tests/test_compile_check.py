@@ -12,32 +12,8 @@ from torch import nn
 from torchrig import Accelerator
 from torchrig.config.options import TorchDynamoPlugin
 from torchrig.testing.effects import assert_compiled, count_compilation
+from torchrig.testing.models import CompileStack, LinearBlock
 from torchrig.training.compile_check import CHECK_AFTER_STEPS, RECOMPILE_WARN_THRESHOLD, CompileVerifier
-
-
-class Block(nn.Module):
-    def __init__(self, graph_break: bool = False):
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-        self.graph_break = graph_break
-
-    def forward(self, x):
-        x = self.linear(x)
-        if self.graph_break:
-            torch._dynamo.graph_break()
-        return torch.relu(x)
-
-
-class Stack(nn.Module):
-    def __init__(self, blocks: int = 3, graph_break: bool = False):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(graph_break) for _ in range(blocks))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 @pytest.fixture(autouse=True)
@@ -64,11 +40,11 @@ def _train(accelerator: Accelerator, model: nn.Module, steps: int = CHECK_AFTER_
 
 def test_whole_model_compile_is_reported_compiled():
     accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager"))
-    caught = _train(accelerator, Stack())
+    caught = _train(accelerator, CompileStack())
     report = accelerator.compile_report()
     assert report["checked"] is True
-    assert list(report["modules"]) == ["Stack"]
-    stats = report["modules"]["Stack"]
+    assert list(report["modules"]) == ["CompileStack"]
+    stats = report["modules"]["CompileStack"]
     assert stats["compiled"] and stats["calls"] == stats["compiled_calls"] == CHECK_AFTER_STEPS
     assert stats["graphs"] >= 1
     assert stats["graph_breaks"] == 0 and stats["recompiles"] == 0
@@ -77,40 +53,40 @@ def test_whole_model_compile_is_reported_compiled():
 
 def test_regional_compile_compiles_each_block():
     accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
-    caught = _train(accelerator, Stack(blocks=3))
+    caught = _train(accelerator, CompileStack(blocks=3))
     modules = accelerator.compile_report()["modules"]
-    assert sorted(modules) == ["Stack.blocks.0", "Stack.blocks.1", "Stack.blocks.2"]
+    assert sorted(modules) == ["CompileStack.blocks.0", "CompileStack.blocks.1", "CompileStack.blocks.2"]
     # every block ran compiled code in every call, though same-class blocks share cached graphs
     # (a later block may compile nothing of its own: counters alone would call it eager)
     assert all(stats["compiled"] and stats["compiled_calls"] == stats["calls"] == CHECK_AFTER_STEPS
                for stats in modules.values())
-    assert modules["Stack.blocks.0"]["graphs"] >= 1
+    assert modules["CompileStack.blocks.0"]["graphs"] >= 1
     assert caught == []
 
 
 @pytest.mark.multiprocess  # inductor starts the C++ compiler
 def test_inductor_whole_model_runs_compiled():
     accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
-    _train(accelerator, Stack(blocks=1))
-    assert accelerator.compile_report()["modules"]["Stack"]["compiled"] is True
+    _train(accelerator, CompileStack(blocks=1))
+    assert accelerator.compile_report()["modules"]["CompileStack"]["compiled"] is True
 
 
 def test_graph_break_is_counted_and_warned():
     accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
-    caught = _train(accelerator, Stack(blocks=2, graph_break=True))
+    caught = _train(accelerator, CompileStack(blocks=2, graph_break=True))
     modules = accelerator.compile_report()["modules"]
     assert all(stats["compiled"] and stats["graph_breaks"] >= 1 for stats in modules.values())
-    assert [str(w.message).split("'")[1] for w in caught] == ["Stack.blocks.0", "Stack.blocks.1"]
+    assert [str(w.message).split("'")[1] for w in caught] == ["CompileStack.blocks.0", "CompileStack.blocks.1"]
     assert all("graph break" in str(w.message) for w in caught)
 
 
 def test_compiled_module_not_the_one_called_is_named_in_a_warning():
     accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager"))
-    caught = _train(accelerator, Stack(), call=lambda compiled: compiled._orig_mod)  # runs the eager model
-    stats = accelerator.compile_report()["modules"]["Stack"]
+    caught = _train(accelerator, CompileStack(), call=lambda compiled: compiled._orig_mod)  # runs the eager model
+    stats = accelerator.compile_report()["modules"]["CompileStack"]
     assert stats["compiled"] is False and stats["calls"] == 0
     assert len(caught) == 1
-    assert "'Stack' did not run compiled code" in str(caught[0].message)
+    assert "'CompileStack' did not run compiled code" in str(caught[0].message)
     assert "never called" in str(caught[0].message)
 
 
@@ -119,15 +95,15 @@ def test_disabled_dynamo_is_reported():
     # torch's own patch: pytest >= 9.2's monkeypatch deletes a module attribute it did not find in the
     # module's __dict__ on undo, which hides the option from torch's config module for the rest of the session
     with torch._dynamo.config.patch(disable=True):
-        caught = _train(accelerator, Stack())
-    stats = accelerator.compile_report()["modules"]["Stack"]
+        caught = _train(accelerator, CompileStack())
+    stats = accelerator.compile_report()["modules"]["CompileStack"]
     assert stats["calls"] == CHECK_AFTER_STEPS and stats["compiled"] is False
     assert len(caught) == 1 and "ran eager every time" in str(caught[0].message)
 
 
 def test_check_leaves_the_step_plan_and_the_hooks():
     accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager"))
-    model = Stack()
+    model = CompileStack()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer = accelerator.prepare(model, optimizer)
     watched_step = accelerator.step_plan.optimizer_step
@@ -144,7 +120,7 @@ def test_check_leaves_the_step_plan_and_the_hooks():
 
 def test_recompilations_after_the_check_are_counted_and_warned_once():
     verifier = CompileVerifier(on_done=lambda: None, check_after_steps=1, recompile_warn_threshold=2)
-    model = torch.compile(Block(), backend="eager", dynamic=False)
+    model = torch.compile(LinearBlock(), backend="eager", dynamic=False)
     verifier.watch(model, "Block")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -163,13 +139,13 @@ def test_recompilations_after_the_check_are_counted_and_warned_once():
 
 def test_no_compile_no_report():
     accelerator = Accelerator(cpu=True)
-    _train(accelerator, Stack())
+    _train(accelerator, CompileStack())
     assert accelerator.compile_report() == {"checked": False, "recompiles_after_check": 0, "modules": {}}
 
 
 def test_a_forward_that_raises_leaves_no_profiler_running():
     verifier = CompileVerifier(on_done=lambda: None)
-    model = torch.compile(Block(), backend="eager")
+    model = torch.compile(LinearBlock(), backend="eager")
     verifier.watch(model, "Block")
     with pytest.raises(RuntimeError):
         model(torch.randn(4, 3))  # wrong feature size
@@ -180,12 +156,12 @@ def test_a_forward_that_raises_leaves_no_profiler_running():
 
 def test_a_model_prepared_after_the_verdict_gets_its_own():
     accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager"))
-    assert _train(accelerator, Stack()) == []
-    caught = _train(accelerator, Stack(), call=lambda compiled: compiled._orig_mod)
+    assert _train(accelerator, CompileStack()) == []
+    caught = _train(accelerator, CompileStack(), call=lambda compiled: compiled._orig_mod)
     report = accelerator.compile_report()
     assert report["checked"] is True
-    assert report["modules"]["Stack"]["compiled"] is True and report["modules"]["Stack#2"]["compiled"] is False
-    assert len(caught) == 1 and "'Stack#2'" in str(caught[0].message)
+    assert report["modules"]["CompileStack"]["compiled"] is True and report["modules"]["CompileStack#2"]["compiled"] is False
+    assert len(caught) == 1 and "'CompileStack#2'" in str(caught[0].message)
 
 
 @torch.compiler.disable
@@ -193,13 +169,13 @@ def _eager_only(x):
     return x * 2
 
 
-class EagerBlock(Block):
+class EagerBlock(LinearBlock):
     @torch.compiler.disable
     def forward(self, x):
         return torch.relu(self.linear(x))
 
 
-class CallsEagerOnly(Block):
+class CallsEagerOnly(LinearBlock):
     def forward(self, x):
         return _eager_only(self.linear(x))
 
@@ -207,7 +183,7 @@ class CallsEagerOnly(Block):
 class Mixed(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([Block(), EagerBlock(), CallsEagerOnly()])
+        self.blocks = nn.ModuleList([LinearBlock(), EagerBlock(), CallsEagerOnly()])
 
     def forward(self, x):
         for block in self.blocks:
@@ -230,7 +206,7 @@ def test_uncompilable_code_is_reported_per_region():
 def test_check_steps_and_recompile_threshold_come_from_the_dynamo_config():
     accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(
         backend="eager", dynamic=False, check_after_steps=3, recompile_warn_threshold=0))
-    model, optimizer = accelerator.prepare(Stack(), torch.optim.SGD(Stack().parameters(), lr=0.01))
+    model, optimizer = accelerator.prepare(CompileStack(), torch.optim.SGD(CompileStack().parameters(), lr=0.01))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(4):
@@ -239,7 +215,7 @@ def test_check_steps_and_recompile_threshold_come_from_the_dynamo_config():
             optimizer.zero_grad()
             if step == 1:  # the default would have given its verdict here
                 assert accelerator.compile_report()["checked"] is False
-        assert accelerator.compile_report()["modules"]["Stack"]["calls"] == 3
+        assert accelerator.compile_report()["modules"]["CompileStack"]["calls"] == 3
         with count_compilation() as counts:
             model(torch.randn(5, 8))  # a new static shape: one recompilation, above the threshold 0
     assert counts.recompiles == 1 and counts.frames == 1
@@ -257,7 +233,7 @@ def test_check_steps_below_one_is_refused_naming_the_key():
 def test_count_compilation_sees_the_frames_the_accelerator_compiled():
     accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
     with count_compilation() as counts:
-        _train(accelerator, Stack(blocks=3))
+        _train(accelerator, CompileStack(blocks=3))
     assert_compiled(counts, max_recompiles=1, max_graph_breaks=0)
     # Three blocks of one class share one code object: block 0 compiles it, block 1 recompiles it (its
     # input requires grad, block 0's does not) and block 2 hits that second entry.
@@ -267,6 +243,6 @@ def test_count_compilation_sees_the_frames_the_accelerator_compiled():
     with pytest.raises(AssertionError, match="at least 3"):
         assert_compiled(counts, min_frames=3)
     with count_compilation() as idle:
-        Stack()(torch.randn(2, 8))
+        CompileStack()(torch.randn(2, 8))
     with pytest.raises(AssertionError, match="0 frame"):
         assert_compiled(idle)

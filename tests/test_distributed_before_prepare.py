@@ -6,14 +6,9 @@ torch's DDP broadcast ("mixed torch.Tensor and DTensor") or being sharded a seco
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 from torchrig.testing.contracts import rank_environment
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "plugins", "fsdp", "tests", "launch_scripts"))
-from hf_models import build  # noqa: E402
+from torchrig.testing.hf_models import build
 
 pytestmark = pytest.mark.multiprocess
 

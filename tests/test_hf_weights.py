@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 import transformers
 from safetensors import safe_open
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "plugins", "fsdp", "tests", "launch_scripts"))
-from hf_models import build  # noqa: E402
+from torchrig.testing.hf_models import build
 
 
 def _file_keys(directory: str) -> set[str]:

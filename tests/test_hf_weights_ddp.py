@@ -6,15 +6,12 @@ process and loads with ``from_pretrained`` bit-identical. Hard timeout; no proce
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 import transformers
 from torchrig.testing.contracts import rank_environment
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "plugins", "fsdp", "tests", "launch_scripts"))
-from hf_models import build  # noqa: E402
+from torchrig.testing.hf_models import build
 
 pytestmark = pytest.mark.multiprocess
 

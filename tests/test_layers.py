@@ -12,13 +12,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+from torchrig.compat.accelerate_names import TABLE as ACCELERATE_MODULES
+from torchrig.compat.moved_modules import MOVED_MODULES
+from torchrig.testing.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "core" / "src" / "torchrig"
-sys.path.insert(0, str(ROOT / "docs"))
-import gen_layer_diagram  # noqa: E402  (docs/ is not a package: its generators run as scripts)
-from torchrig.compat.accelerate_names import TABLE as ACCELERATE_MODULES  # noqa: E402
-from torchrig.compat.moved_modules import MOVED_MODULES  # noqa: E402
+gen_layer_diagram = load_script(ROOT / "docs" / "gen_layer_diagram.py")  # docs/ is not a package: a script
 
 #: the top level's own files, beside the concept packages and Accelerate's paths
 OWN_FILES = {"__init__.py", "__main__.py", "_version.py", "py.typed", "errors.py"}

@@ -4,10 +4,10 @@ accepted, a differing one or a key the model does not have is refused naming it,
 
 from __future__ import annotations
 
-import peft_lora
 import pytest
 import torch
 from torchrig.checkpoint.state_dicts import load_model_state
+from torchrig.testing import peft_lora
 
 pytest.importorskip("bitsandbytes")
 

@@ -2,7 +2,7 @@
 trained through torchrig under DDP, FSDP2 and DeepSpeed ZeRO-3 on two gloo ranks: like one process on the
 concatenated batches (accumulation 2, clipping), the base stays quantized and frozen, only the adapters get
 optimizer state; ``save_state``/``load_state`` resume bit-for-bit under all three (under ZeRO-3 the module state
-DeepSpeed reads back holds bitsandbytes' quantization-state keys, which its strict load used to refuse). The workload is tests/peft_lora.py. bitsandbytes' CPU backend
+DeepSpeed reads back holds bitsandbytes' quantization-state keys, which its strict load used to refuse). The workload is torchrig.testing.peft_lora. bitsandbytes' CPU backend
 runs these kernels here (no GPU needed); a model narrower than one quantization block (64) is refused by it."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 import gc
 
-import peft_lora
 import pytest
 import torch
+from torchrig.testing import peft_lora
 from torchrig.testing.contracts import rank_environment
 
 pytest.importorskip("bitsandbytes")

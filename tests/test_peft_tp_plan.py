@@ -6,10 +6,10 @@ the adapter on the split side with it, and refuses a LoRA layer under a style it
 from __future__ import annotations
 
 import peft
-import peft_lora
 import pytest
 import transformers
 from torchrig.errors import ConfigError
+from torchrig.testing import peft_lora
 from torchrig_fsdp.mesh import resolve_plan
 from torchrig_fsdp.wrapping import adapter_tp_plan
 

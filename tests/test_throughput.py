@@ -74,7 +74,7 @@ def test_peak_flops_by_precision():
     assert all(table["bf16" if "bf16" in table else "fp16"] > table["fp32"] for table in PEAK_FLOPS.values())
 
 
-class TinyTransformer(nn.Module):
+class FlopCountedDecoder(nn.Module):
     """A decoder-shaped model stating ``n_layer``/``d_model`` like a Hugging Face config does."""
 
     def __init__(self, vocab=64, d_model=32, n_layer=2, heads=4):
@@ -103,7 +103,7 @@ class TinyTransformer(nn.Module):
 
 def test_flops_estimate_matches_flop_counter_on_a_tiny_transformer():
     torch.manual_seed(0)
-    model, seq, batch = TinyTransformer(), 16, 4
+    model, seq, batch = FlopCountedDecoder(), 16, 4
     ids = torch.randint(0, 64, (batch, seq))
     measured = measure_flops_per_step(lambda: model(ids).sum().backward()) / (batch * seq)
     estimate = estimate_flops_per_token(model, seq)

@@ -1,21 +1,17 @@
 """LoRA (peft) under the ddp strategy on two gloo ranks: a transformers Llama with a frozen base and trainable
 adapters trains like one process on the concatenated batches (accumulation 2, clipping), only the adapters get
-optimizer state, and ``save_state``/``load_state`` resume bit-for-bit. The workload is tests/peft_lora.py."""
+optimizer state, and ``save_state``/``load_state`` resume bit-for-bit. The workload is torchrig.testing.peft_lora."""
 
 from __future__ import annotations
 
 import gc
-import os
-import sys
 
 import pytest
 import torch
+from torchrig.testing import peft_lora
 from torchrig.testing.contracts import rank_environment
 
 pytestmark = pytest.mark.multiprocess
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests"))
-import peft_lora  # noqa: E402
 
 TIMEOUT = 180
 WORLD, PER_RANK, ACCUMULATION, OPTIMIZER_STEPS = 2, 2, 2, 3

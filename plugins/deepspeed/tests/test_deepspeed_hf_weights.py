@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 
 import pytest
 import torch
 import transformers
 from torchrig.testing.contracts import rank_environment
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "fsdp", "tests", "launch_scripts"))
-from hf_models import build, make_data  # noqa: E402
+from torchrig.testing.hf_models import build, make_data
 
 pytestmark = pytest.mark.multiprocess
 

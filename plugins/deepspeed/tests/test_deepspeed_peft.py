@@ -1,22 +1,18 @@
 """LoRA (peft) under the deepspeed strategy, ZeRO-3, on two gloo ranks (DeepSpeed's CPU accelerator, the
 script's torch AdamW): a transformers Llama with a frozen base and trainable adapters trains like one process on
 the concatenated batches (accumulation 2, clipping); only the adapters are in DeepSpeed's parameter groups and
-in the torch optimizer's state; ``save_state``/``load_state`` resume exactly. The workload is tests/peft_lora.py."""
+in the torch optimizer's state; ``save_state``/``load_state`` resume exactly. The workload is torchrig.testing.peft_lora."""
 
 from __future__ import annotations
 
 import gc
-import os
-import sys
 
 import pytest
 import torch
+from torchrig.testing import peft_lora
 from torchrig.testing.contracts import rank_environment
 
 pytestmark = pytest.mark.multiprocess
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests"))
-import peft_lora  # noqa: E402
 
 TIMEOUT = 240
 WORLD, PER_RANK, ACCUMULATION, OPTIMIZER_STEPS = 2, 2, 2, 3

@@ -1,4 +1,4 @@
-"""A tiny Llama-style transformer for the fp8 tests: every projection an ``nn.Linear`` (so the
+"""ProbedLM, a tiny Llama-style transformer for the fp8 tests: every projection an ``nn.Linear`` (so the
 conversion has real work), feature counts multiples of 16, and one 32x10 probe head that the
 default filter must skip."""
 
@@ -31,7 +31,7 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(self.norm2(x))))
 
 
-class TinyLM(nn.Module):
+class ProbedLM(nn.Module):
     """2 blocks x 4 Linear layers + the LM head (9 convertible) + a 32x10 probe (skipped by default)."""
 
     _no_split_modules = ["Block"]

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from fp8_models import TinyLM, batches, lm_loss
+from fp8_models import ProbedLM, batches, lm_loss
 from torchao.float8.float8_linear import Float8Linear
 from torchrig import Accelerator
 from torchrig.cli.main import main
@@ -27,7 +27,7 @@ CONVERTIBLE = 9  # 2 blocks x (qkv, proj, up, down) + head; the 32x10 probe is n
 def prepared(*handlers, **kwargs):
     accelerator = Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=list(handlers), **kwargs)
     torch.manual_seed(0)
-    model = TinyLM()
+    model = ProbedLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     return accelerator, model, optimizer
@@ -62,7 +62,7 @@ def test_the_filter_converts_what_it_reports(options, converted, skipped, caplog
     assert report is not None and list(report.converted) == names and report.total == CONVERTIBLE + 1
     if skipped is not None:
         assert report.skipped == skipped
-    assert f"fp8: converted {converted} of {CONVERTIBLE + 1} Linear layers of TinyLM" in caplog.text
+    assert f"fp8: converted {converted} of {CONVERTIBLE + 1} Linear layers of ProbedLM" in caplog.text
     assert accelerator.mixed_precision == "fp8"
 
 
@@ -82,7 +82,7 @@ def test_a_tiny_transformer_trains_within_a_tolerance_of_bf16():
     fp8 = train(*prepared(AORecipeKwargs(emulate=True)))
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     torch.manual_seed(0)
-    model = TinyLM()
+    model = ProbedLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     bf16 = train(accelerator, *accelerator.prepare(model, optimizer))
     assert fp8[-1] < 0.5 * fp8[0], fp8
@@ -115,7 +115,7 @@ def test_compile_after_conversion_runs_compiled_code():
     with count_compilation() as counts:
         losses = train(accelerator, model, optimizer, steps=3)
     assert_compiled(counts, min_frames=1)
-    assert accelerator.compile_report()["modules"]["TinyLM"]["compiled"]
+    assert accelerator.compile_report()["modules"]["ProbedLM"]["compiled"]
     assert_modules_converted(accelerator.unwrap_model(model), Float8Linear, count=CONVERTIBLE)
     assert losses[-1] < losses[0]
 
@@ -142,7 +142,7 @@ def test_accelerate_names_resolve_to_the_plugin():
     from torchrig.utils import convert_model_to_fp8_ao as convert
 
     assert from_utils is AORecipeKwargs and deprecated is AORecipeKwargs and convert is convert_model_to_fp8_ao
-    model = TinyLM()
+    model = ProbedLM()
     report = convert(model)  # Accelerate's default: first and last Linear layers stay high precision
     assert has_ao_layers(model) and sorted(report.skipped) == ["blocks.0.qkv", "probe"]
 
@@ -194,7 +194,7 @@ def test_a_strategy_that_owns_precision_without_fully_shard_is_refused():
     """DeepSpeed's engine keeps its own weights and casts: fp8 does not compose with it."""
     run = types.SimpleNamespace(capabilities=Capabilities(owns_precision=True, fully_shard_parameters=False))
     with pytest.raises(RuntimeError, match="use the fsdp or ddp strategy for fp8"):
-        Float8Precision().torchrig_convert_model(run=run, model=TinyLM())
+        Float8Precision().torchrig_convert_model(run=run, model=ProbedLM())
 
 
 def test_deepspeed_with_fp8_is_refused_before_anything_starts():
@@ -217,7 +217,7 @@ def test_fp8_is_selected_from_every_config_source(source, tmp_path, monkeypatch)
         monkeypatch.setenv("TORCHRIG_FP8_CONFIG__EMULATE", "true")
         monkeypatch.setenv("TORCHRIG_FP8_CONFIG__SKIP_FIRST_LAST", "1")
     accelerator = Accelerator(**kwargs)
-    model = accelerator.prepare(TinyLM())
+    model = accelerator.prepare(ProbedLM())
     report = conversion_report(accelerator.unwrap_model(model))
     assert accelerator.mixed_precision == "fp8" and report.emulate and len(report.converted) == CONVERTIBLE - 1
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp8_models import TinyLM, batches, lm_loss
+from fp8_models import ProbedLM, batches, lm_loss
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.pool import checked_pool
 
@@ -47,7 +47,7 @@ def _train(ctx, recipe: str = "tensorwise", all_gather=None):
             accelerator = Accelerator(cpu=True, strategy="fsdp", mixed_precision="fp8", kwargs_handlers=[
                 AORecipeKwargs(emulate=True, recipe=recipe, enable_fsdp_float8_all_gather=all_gather)])
             torch.manual_seed(0)
-            model = TinyLM()
+            model = ProbedLM()
             optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
             model, optimizer = accelerator.prepare(model, optimizer)
             converted = assert_modules_converted(accelerator.unwrap_model(model), Float8Linear, count=9)
@@ -113,7 +113,7 @@ def _train_ddp(ctx):
         accelerator = Accelerator(cpu=True, strategy="ddp", mixed_precision="fp8",
                                   kwargs_handlers=[AORecipeKwargs(emulate=True)])
         torch.manual_seed(0)
-        model = TinyLM()
+        model = ProbedLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         model, optimizer = accelerator.prepare(model, optimizer)
         assert_modules_converted(accelerator.unwrap_model(model), Float8Linear, count=9)
@@ -150,7 +150,7 @@ def _train_compiled(ctx):
                                   kwargs_handlers=[AORecipeKwargs(emulate=True)],
                                   dynamo_plugin=TorchDynamoPlugin(backend="aot_eager"))
         torch.manual_seed(0)
-        model = TinyLM()
+        model = ProbedLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         model, optimizer = accelerator.prepare(model, optimizer)
         losses = []
@@ -180,7 +180,7 @@ def _save_and_resume(ctx, directory: str):
         accelerator = Accelerator(cpu=True, strategy="fsdp", mixed_precision="fp8",
                                   kwargs_handlers=[AORecipeKwargs(emulate=True)])
         torch.manual_seed(0)
-        model = TinyLM()
+        model = ProbedLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         return (accelerator, *accelerator.prepare(model, optimizer))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp8_models import TinyLM, batches, lm_loss
+from fp8_models import ProbedLM, batches, lm_loss
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,7 @@ def test_fp8_runs_scaled_mm_on_a_capable_gpu():
 
     accelerator = Accelerator(mixed_precision="fp8")
     torch.manual_seed(0)
-    model = TinyLM()
+    model = ProbedLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     assert_modules_converted(accelerator.unwrap_model(model), Float8Linear, count=9)

@@ -9,19 +9,16 @@ tests/test_context_parallel.py, the cp layouts of test_mesh.py, and tests/test_p
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.models import TP_PLAN, TinyLM, lm_data
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
 TIMEOUT = 300
 STEPS = 3
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from mesh_model import TP_PLAN, TinyLM, make_data  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +39,7 @@ def _reference(batch: int) -> dict:
     model = TinyLM().cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for tokens, labels in torch.utils.data.DataLoader(make_data(STEPS * batch), batch_size=batch):
+    for tokens, labels in torch.utils.data.DataLoader(lm_data(STEPS * batch), batch_size=batch):
         loss = model(tokens.cuda(), labels.cuda())
         loss.backward()
         optimizer.step()
@@ -60,7 +57,7 @@ def _train_cp(ctx, load_balance: bool):
         torch.manual_seed(0)
         model = TinyLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loader = torch.utils.data.DataLoader(make_data(STEPS * 2), batch_size=2)
+        loader = torch.utils.data.DataLoader(lm_data(STEPS * 2), batch_size=2)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         losses = []
         for tokens, labels in loader:
@@ -127,7 +124,7 @@ def _train_async_tp(ctx):
         torch.manual_seed(0)
         model = TinyLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loader = torch.utils.data.DataLoader(make_data(STEPS), batch_size=1)
+        loader = torch.utils.data.DataLoader(lm_data(STEPS), batch_size=1)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         losses = []
         for tokens, labels in loader:

@@ -16,39 +16,11 @@ import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.effects import assert_collectives, assert_master_weights, count_collectives, record_forward_dtypes
+from torchrig.testing.models import Block, TinyTransformer
 
 pytestmark = pytest.mark.multiprocess
 
 TIMEOUT = 120
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(width)
-        self.up = torch.nn.Linear(width, 2 * width)
-        self.down = torch.nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
-
-
-class TinyTransformer(torch.nn.Module):
-    """Blocks named like a Hugging Face model's, which declares them in ``_no_split_modules``."""
-
-    _no_split_modules = ["Block"]
-
-    def __init__(self, width: int = 16, depth: int = 3, classes: int = 3) -> None:
-        super().__init__()
-        self.embed = torch.nn.Linear(6, width)
-        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = torch.nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
 
 
 class PlainStack(TinyTransformer):

@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.effects import assert_compiled, count_compilation
+from torchrig.testing.models import CompileStack
 from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
@@ -25,27 +25,6 @@ def pool():
         yield workers
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.relu(self.linear(x))
-
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def _train(ctx, regional: bool, bypass: bool = False):
     from torchrig import Accelerator
     from torchrig.config.options import TorchDynamoPlugin
@@ -55,7 +34,7 @@ def _train(ctx, regional: bool, bypass: bool = False):
         accelerator = Accelerator(cpu=True, strategy="fsdp", dynamo_plugin=TorchDynamoPlugin(
             backend="eager", use_regional_compilation=regional))
         torch.manual_seed(0)
-        model = Stack()
+        model = CompileStack(blocks=2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         model, optimizer = accelerator.prepare(model, optimizer)
         forward = model._orig_mod if bypass else model
@@ -74,8 +53,8 @@ def test_whole_model_compile_under_fsdp2_runs_compiled_on_every_rank(pool):
     for result in pool.run(_train, False, timeout=TIMEOUT):
         assert result["kinds"] == ["DTensor"]  # the compiled model is the sharded one
         modules = result["report"]["modules"]
-        assert list(modules) == ["FSDPStack"], modules  # named by the prepared (sharded) model's class
-        assert modules["FSDPStack"]["compiled"] and modules["FSDPStack"]["compiled_calls"] == modules["FSDPStack"]["calls"] > 0
+        assert list(modules) == ["FSDPCompileStack"], modules  # named by the prepared (sharded) model's class
+        assert modules["FSDPCompileStack"]["compiled"] and modules["FSDPCompileStack"]["compiled_calls"] == modules["FSDPCompileStack"]["calls"] > 0
         assert_compiled(result["counts"], max_recompiles=0)  # dynamo compiled the sharded forward, once
         assert result["warnings"] == []
 
@@ -83,7 +62,7 @@ def test_whole_model_compile_under_fsdp2_runs_compiled_on_every_rank(pool):
 def test_regional_compile_under_fsdp2_compiles_each_block_on_every_rank(pool):
     for result in pool.run(_train, True, timeout=TIMEOUT):
         modules = result["report"]["modules"]
-        assert sorted(modules) == ["FSDPStack.blocks.0", "FSDPStack.blocks.1"]
+        assert sorted(modules) == ["FSDPCompileStack.blocks.0", "FSDPCompileStack.blocks.1"]
         assert all(stats["compiled"] and stats["compiled_calls"] == stats["calls"] for stats in modules.values())
         assert_compiled(result["counts"])
         assert result["warnings"] == []
@@ -91,6 +70,6 @@ def test_regional_compile_under_fsdp2_compiles_each_block_on_every_rank(pool):
 
 def test_bypassed_compile_under_fsdp2_is_named_on_every_rank(pool):
     for result in pool.run(_train, False, True, timeout=TIMEOUT):
-        assert result["report"]["modules"]["FSDPStack"]["compiled"] is False
+        assert result["report"]["modules"]["FSDPCompileStack"]["compiled"] is False
         assert result["counts"].frames == 0  # nothing was compiled: the wrapper was never called
-        assert len(result["warnings"]) == 1 and "'FSDPStack' did not run compiled code" in result["warnings"][0]
+        assert len(result["warnings"]) == 1 and "'FSDPCompileStack' did not run compiled code" in result["warnings"][0]

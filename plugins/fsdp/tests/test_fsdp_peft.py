@@ -2,22 +2,18 @@
 sharded; a transformers Llama with trainable adapters trains like one process on the concatenated batches
 (accumulation 2, clipping), only the adapters get optimizer state, and ``save_state``/``load_state`` resume
 exactly. FSDP2 x TP 2 x 2 on four ranks: the model's own tensor-parallel plan made to follow the adapters
-(``torchrig_fsdp.wrapping.adapter_tp_plan``). The workload is tests/peft_lora.py."""
+(``torchrig_fsdp.wrapping.adapter_tp_plan``). The workload is torchrig.testing.peft_lora."""
 
 from __future__ import annotations
 
 import gc
-import os
-import sys
 
 import pytest
 import torch
+from torchrig.testing import peft_lora
 from torchrig.testing.contracts import rank_environment
 
 pytestmark = pytest.mark.multiprocess
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests"))
-import peft_lora  # noqa: E402
 
 TIMEOUT = 180
 WORLD, PER_RANK, ACCUMULATION, OPTIMIZER_STEPS = 2, 2, 2, 3

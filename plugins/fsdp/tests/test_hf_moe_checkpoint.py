@@ -12,15 +12,12 @@ again), under the same layout, and back under replicate x TP; and both checkpoin
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.hf_models import SEQ, VOCAB, build
 from torchrig.testing.pool import checked_pool
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from hf_models import SEQ, VOCAB, build  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

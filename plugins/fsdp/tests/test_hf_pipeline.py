@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import pytest
 import torch
 import transformers
 from torchrig.errors import ConfigError
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.hf_models import SEQ, build, make_data
 from torchrig.testing.pool import checked_pool
 from torchrig_fsdp import pp_plan
 from torchrig_fsdp.pipeline import build_rank
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from hf_models import SEQ, build, make_data  # noqa: E402
 
 TIMEOUT = 300
 LAYERS, STEPS, PER_RANK, LR, CLIP = 4, 2, 4, 1e-2, 1.0

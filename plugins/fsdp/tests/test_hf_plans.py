@@ -20,12 +20,10 @@ import torch
 import transformers
 from torchrig.errors import ConfigError
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.hf_models import FAMILIES, build, build_rare, make_data
 from torchrig.testing.pool import checked_pool
 from torchrig_fsdp import hf_styles, tp_styles
 from torchrig_fsdp.mesh import model_plan, resolve_plan
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from hf_models import FAMILIES, build, build_rare, make_data  # noqa: E402
 
 TIMEOUT = 300
 STEPS, PER_RANK, LR, CLIP = 3, 2, 1e-2, 1.0

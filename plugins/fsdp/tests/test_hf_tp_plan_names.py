@@ -19,12 +19,10 @@ from torchrig.config.resolve import resolve_config
 from torchrig.errors import ConfigError
 from torchrig.testing import make_host
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.hf_models import build, make_data
 from torchrig.testing.pool import checked_pool
 from torchrig_fsdp import hf_style_names, hf_styles
 from torchrig_fsdp.manifest import FSDPManifest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from hf_models import build, make_data  # noqa: E402
 
 TIMEOUT = 300
 STEPS, PER_RANK, LR, CLIP = 3, 2, 1e-2, 1.0

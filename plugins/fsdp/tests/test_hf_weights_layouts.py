@@ -17,16 +17,13 @@ state. Every task has a hard timeout; the pool must leave no process behind.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 import transformers
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.hf_models import build
 from torchrig.testing.pool import checked_pool
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from hf_models import build  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

@@ -11,16 +11,13 @@ model once, bit-identical to the reference. Hard timeout; the pool must leave no
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.models import PipeLM, lm_loss
 from torchrig.testing.pool import checked_pool
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from pipe_model import PipeLM, lm_loss  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

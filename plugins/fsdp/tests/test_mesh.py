@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.models import TP_PLAN, TP_SP_PLAN, TinyLM, lm_data
 from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
@@ -23,9 +24,6 @@ pytestmark = pytest.mark.multiprocess
 TIMEOUT = 120
 VOCAB, DIM, HEADS, SEQ, PER_RANK = 32, 32, 4, 8, 2
 STEPS, ACCUMULATION = 2, 2
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from mesh_model import TP_PLAN, TP_SP_PLAN, TinyLM, make_data  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +62,7 @@ def _train(ctx, parallelism: dict, dp_size: int, mixed_precision: str = "no"):
         torch.manual_seed(0)
         model = TinyLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loader = torch.utils.data.DataLoader(make_data(STEPS * ACCUMULATION * PER_RANK * dp_size), batch_size=PER_RANK)
+        loader = torch.utils.data.DataLoader(lm_data(STEPS * ACCUMULATION * PER_RANK * dp_size), batch_size=PER_RANK)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         caps = accelerator.strategy_capabilities
         mesh = accelerator.torch_device_mesh
@@ -86,7 +84,7 @@ def _reference(dp_size: int) -> dict:
     model = TinyLM()
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = torch.utils.data.DataLoader(make_data(STEPS * ACCUMULATION * PER_RANK * dp_size),
+    loader = torch.utils.data.DataLoader(lm_data(STEPS * ACCUMULATION * PER_RANK * dp_size),
                                          batch_size=PER_RANK * dp_size)
     losses = []
     for index, (tokens, labels) in enumerate(loader):

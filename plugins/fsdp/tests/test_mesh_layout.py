@@ -3,17 +3,12 @@ how a plan's globs and style names resolve, and the model's own plan (transforme
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 from torchrig.config.options import TP_STYLES, ParallelismConfig
 from torchrig.errors import ConfigError
+from torchrig.testing.models import TP_PLAN, TP_SP_PLAN, TinyLM
 from torchrig_fsdp.mesh import mesh_layout, model_plan, resolve_plan
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from mesh_model import TP_PLAN, TP_SP_PLAN, TinyLM  # noqa: E402
 
 
 @pytest.mark.parametrize(("sizes", "world", "layout"), [
@@ -85,7 +80,6 @@ def test_a_model_declaring_its_own_plan_is_found():
     assert plan == {"model.blocks.*.mlp.up": "colwise", "model.blocks.*.mlp.down": "rowwise"}
     assert sorted(resolve_plan(head, plan, False, "plan")) == [
         "model.blocks.0.mlp.down", "model.blocks.0.mlp.up", "model.blocks.1.mlp.down", "model.blocks.1.mlp.up"]
-
 
 
 def test_async_tp_names_every_reason_it_cannot_run():

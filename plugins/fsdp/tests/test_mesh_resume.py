@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.models import TP_PLAN, TinyLM, lm_data
 from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
@@ -28,8 +29,6 @@ TIMEOUT = 120
 GLOBAL_BATCH = 4  # every layout sees the same global batch: per-rank batch = 4 / data-parallel size
 TOTAL_STEPS = 8  # one step per leg of the chain below
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from mesh_model import TP_PLAN, TinyLM, make_data  # noqa: E402
 
 LAYOUTS = {
     # name: (parallelism_config, data-parallel size, how the manifest describes it)
@@ -75,7 +74,7 @@ def _stage(parallelism: dict | None, dp_size: int, load_from: str | None, save_t
         torch.manual_seed(0)
         model = TinyLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loader = torch.utils.data.DataLoader(make_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // dp_size)
+        loader = torch.utils.data.DataLoader(lm_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // dp_size)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         if load_from is not None:
             accelerator.load_state(load_from, allow_world_size_change=allow_world_size_change)
@@ -107,7 +106,7 @@ def _reference(steps: int) -> dict:
     torch.manual_seed(0)
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = torch.utils.data.DataLoader(make_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH)
+    loader = torch.utils.data.DataLoader(lm_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH)
     losses = []
     for step, (tokens, labels) in enumerate(loader):
         if step == steps:
@@ -185,7 +184,7 @@ def _save_model(ctx, layout: str, directory: str, max_shard_size: str):
         torch.manual_seed(0)
         model = TinyLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loader = torch.utils.data.DataLoader(make_data(GLOBAL_BATCH), batch_size=GLOBAL_BATCH // dp_size)
+        loader = torch.utils.data.DataLoader(lm_data(GLOBAL_BATCH), batch_size=GLOBAL_BATCH // dp_size)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         for tokens, labels in loader:
             accelerator.backward(model(tokens, labels))
@@ -231,7 +230,7 @@ def test_a_sharded_checkpoint_read_by_a_strategy_without_dcp_is_refused_naming_b
         accelerator = Accelerator(cpu=True)  # the single-process strategy reads plain state dicts only
         model = TinyLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loader = torch.utils.data.DataLoader(make_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH)
+        loader = torch.utils.data.DataLoader(lm_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         with pytest.raises(CheckpointError) as caught:
             accelerator.load_state(checkpoint, allow_world_size_change=True)
@@ -263,7 +262,7 @@ def _meta_init(ctx, layout: str | None, batch_bytes: int | None = None):
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
         params = {name: _full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
         meta_after = any(p.is_meta for p in model.parameters())
-        tokens, labels = make_data(GLOBAL_BATCH)[:]
+        tokens, labels = lm_data(GLOBAL_BATCH)[:]
         loss = model(tokens, labels)  # every rank the same batch: a forward works on the materialised shards
         accelerator.backward(loss)
         optimizer.step()
@@ -282,7 +281,7 @@ def test_meta_device_init_is_sharded_before_it_is_materialised_and_matches_the_s
     torch.manual_seed(0)
     reference = TinyLM()
     total = sum(p.numel() for p in reference.parameters())
-    expected = reference(*make_data(GLOBAL_BATCH)[:]).detach()
+    expected = reference(*lm_data(GLOBAL_BATCH)[:]).detach()
     results = pool.run(_meta_init, layout, batch_bytes, timeout=TIMEOUT)
     for result in results:
         assert result["meta_before"] and not result["meta_after"]
@@ -364,7 +363,7 @@ def _ddp_leg(ctx, save_to: str):
         torch.manual_seed(0)
         model = TinyLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loader = torch.utils.data.DataLoader(make_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // 4)
+        loader = torch.utils.data.DataLoader(lm_data(TOTAL_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // 4)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         tokens, labels = next(iter(loader))
         loss = model(tokens, labels)

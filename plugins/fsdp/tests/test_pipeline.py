@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.models import PipeLM, lm_data, lm_loss
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,9 +26,6 @@ TIMEOUT = 120
 PER_RANK, STEPS, ACCUMULATION, CLIP = 4, 2, 2, 0.5
 SPLIT = ["layers.2"]
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from mesh_model import make_data  # noqa: E402
-from pipe_model import PipeLM, lm_loss  # noqa: E402
 
 _pools: dict[int, object] = {}
 
@@ -76,7 +74,7 @@ def _train(ctx, parallelism: dict, dp_size: int, save: str | None = None):
         torch.manual_seed(0)
         model = PipeLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loader = torch.utils.data.DataLoader(make_data(STEPS * ACCUMULATION * PER_RANK * dp_size), batch_size=PER_RANK)
+        loader = torch.utils.data.DataLoader(lm_data(STEPS * ACCUMULATION * PER_RANK * dp_size), batch_size=PER_RANK)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         losses, norms = [], []
         for tokens, labels in loader:
@@ -110,7 +108,7 @@ def _reference(dp_size: int, epochs: int = 1) -> dict:
     model = PipeLM()
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = torch.utils.data.DataLoader(make_data(STEPS * ACCUMULATION * PER_RANK * dp_size),
+    loader = torch.utils.data.DataLoader(lm_data(STEPS * ACCUMULATION * PER_RANK * dp_size),
                                          batch_size=PER_RANK * dp_size)
     losses, norms = [], []
     for index, (tokens, labels) in enumerate(batch for _ in range(epochs) for batch in loader):
@@ -218,7 +216,7 @@ def _refused(ctx) -> dict:
         accelerator.free_memory()
         accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=GPIPE)
         model = accelerator.prepare(PipeLM())
-        tokens, labels = make_data(4)[:]
+        tokens, labels = lm_data(4)[:]
         for name, call in (("no target", lambda: model(tokens)),
                            ("uneven", lambda: model(tokens[:3], target=labels[:3]))):
             try:
@@ -248,7 +246,7 @@ def _resume(ctx, directory: str, dp_size: int) -> dict:
         model = PipeLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         # the batches of every data-parallel rank of the saved run, concatenated
-        loader = torch.utils.data.DataLoader(make_data(STEPS * ACCUMULATION * PER_RANK * dp_size),
+        loader = torch.utils.data.DataLoader(lm_data(STEPS * ACCUMULATION * PER_RANK * dp_size),
                                              batch_size=PER_RANK * dp_size)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         # the checkpoint's world size and pipeline keys differ on purpose: accepted explicitly

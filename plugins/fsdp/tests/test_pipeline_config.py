@@ -4,8 +4,6 @@ stages at ``pp_split_points`` (names kept), and every refusal before or at the s
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -13,11 +11,9 @@ from torchrig.config.options import ParallelismConfig
 from torchrig.config.resolve import resolve_config
 from torchrig.errors import ConfigError
 from torchrig.testing import make_host
+from torchrig.testing.models import PipeLM
 from torchrig_fsdp.mesh import mesh_layout
 from torchrig_fsdp.pipeline import build_rank, build_stage, prune_optimizer, split_units
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from pipe_model import PipeLM  # noqa: E402
 
 
 def test_pp_is_the_outermost_mesh_axis():

@@ -8,17 +8,13 @@ plan in torchrig's own style names (its ``output`` style gathers the logits the 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import warnings
 
 import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
+from torchrig.testing.hf_models import build, make_data
 from torchrig.testing.pool import checked_pool
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "launch_scripts"))
-from hf_models import build, make_data  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

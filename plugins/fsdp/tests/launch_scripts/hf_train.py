@@ -7,8 +7,8 @@ import pathlib
 import sys
 
 import torch
-from hf_models import build, make_data
 from torchrig import Accelerator, ParallelismConfig
+from torchrig.testing.hf_models import build, make_data
 
 out, family, steps = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=2))

@@ -10,8 +10,8 @@ import pathlib
 import sys
 
 import torch
-from mesh_model import TinyLM, make_data
 from torchrig import Accelerator
+from torchrig.testing.models import TinyLM, lm_data
 
 out, steps = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 resume = sys.argv[3] if len(sys.argv) > 3 else None
@@ -26,7 +26,7 @@ torch.manual_seed(0)
 model = TinyLM()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 dp = accelerator.strategy_capabilities.data_parallel_size
-loader = torch.utils.data.DataLoader(make_data(8 * 4), batch_size=4 // dp)
+loader = torch.utils.data.DataLoader(lm_data(8 * 4), batch_size=4 // dp)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 if resume is not None:
     accelerator.load_state(resume)

@@ -8,8 +8,8 @@ import pathlib
 import sys
 
 import torch
-from mesh_model import TinyLM, make_data
 from torchrig import Accelerator
+from torchrig.testing.models import TinyLM, lm_data
 
 out, steps = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 accelerator = Accelerator()
@@ -18,7 +18,7 @@ model = TinyLM()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 caps = accelerator.strategy_capabilities
 micro = accelerator.gradient_accumulation_steps
-loader = torch.utils.data.DataLoader(make_data(steps * micro * 2 * caps.data_parallel_size), batch_size=2)
+loader = torch.utils.data.DataLoader(lm_data(steps * micro * 2 * caps.data_parallel_size), batch_size=2)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 losses = []
 for tokens, labels in loader:

@@ -8,9 +8,8 @@ import pathlib
 import sys
 
 import torch
-from mesh_model import make_data
-from pipe_model import PipeLM
 from torchrig import Accelerator
+from torchrig.testing.models import PipeLM, lm_data
 
 out = pathlib.Path(sys.argv[1])
 accelerator = Accelerator()
@@ -19,7 +18,7 @@ model = PipeLM()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 caps = accelerator.strategy_capabilities
 per_rank, steps, micro = 4, 2, accelerator.gradient_accumulation_steps
-loader = torch.utils.data.DataLoader(make_data(steps * micro * per_rank * caps.data_parallel_size), batch_size=per_rank)
+loader = torch.utils.data.DataLoader(lm_data(steps * micro * per_rank * caps.data_parallel_size), batch_size=per_rank)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 losses = []
 for tokens, labels in loader:

@@ -1,6 +1,9 @@
-"""Tiny transformers models of several families, built from config objects (no network), for the tests
-of tensor parallel from a model's own plan (plugins/fsdp/tests/test_hf_plans.py): same seed -> same
-weights in every process; and the random token data they train on."""
+"""Tiny transformers models of several families, built from config objects (no network): same seed -> same
+weights in every process; and the random token data they train on. Tensor parallel from a model's own plan,
+Hugging Face weights in and out, pipeline and MoE checkpoints use them (the fsdp and deepspeed plugins' tests and
+the core's). Needs ``transformers``; the pure-torch models are in :mod:`torchrig.testing.models`."""
+
+from __future__ import annotations
 
 import torch
 import transformers

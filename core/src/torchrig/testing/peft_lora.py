@@ -1,4 +1,5 @@
-"""The LoRA workload every strategy's PEFT test trains (tests/test_peft*.py, plugins/*/tests/test_*_peft.py).
+"""The LoRA workload every strategy's PEFT test trains (the core's PEFT tests, plugins/*/tests/test_*_peft.py).
+Needs ``peft`` and ``transformers`` (QLoRA: ``bitsandbytes``).
 
 A 2-layer transformers ``LlamaForCausalLM`` built from a config (no network) wrapped by peft's
 ``get_peft_model(LoraConfig(...))``: the base is frozen, only the adapters train. The adapters start random
