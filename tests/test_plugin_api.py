@@ -8,6 +8,7 @@ docs/plugins.md; importing it imports no torchrig module (so no torch) until a n
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import pathlib
 import re
@@ -39,11 +40,17 @@ def _plugin_files() -> list[pathlib.Path]:
     return [path for source in PLUGIN_SOURCES for path in sorted(source.rglob("*.py"))]
 
 
+@functools.cache
+def _parsed(path: pathlib.Path) -> ast.Module:
+    """Each plugin module parsed once for the checks below."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def test_plugin_sources_import_torchrig_only_through_the_plugin_api() -> None:
     assert len(PLUGIN_SOURCES) >= 7, PLUGIN_SOURCES  # ddp, fsdp, deepspeed, trackers, ray, fp8 + the example
     offences = []
     for path in _plugin_files():
-        for line, module, names in _torchrig_imports(ast.parse(path.read_text(), str(path))):
+        for line, module, names in _torchrig_imports(_parsed(path)):
             where = f"{path.relative_to(ROOT)}:{line}"
             if module != API_MODULE:
                 imported = f"from {module} import {', '.join(names)}" if names else f"import {module}"
@@ -129,5 +136,5 @@ def _other_config_idioms(tree: ast.AST) -> list[tuple[int, str]]:
 
 def test_plugin_sources_read_configuration_through_typed_sections() -> None:
     offences = [f"{path.relative_to(ROOT)}:{line}: {what}" for path in _plugin_files()
-                for line, what in _other_config_idioms(ast.parse(path.read_text(), str(path)))]
+                for line, what in _other_config_idioms(_parsed(path))]
     assert not offences, "plugins read configuration outside run.section(Options):\n" + "\n".join(offences)
