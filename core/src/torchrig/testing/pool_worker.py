@@ -181,6 +181,18 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+    _leave_without_teardown()
+
+
+def _leave_without_teardown() -> None:
+    """End the worker now, skipping the interpreter's teardown: unloading torch's modules costs
+    ~0.6 s of CPU per rank (1-3 s of wall time per pool close on 2 cores), and there is nothing
+    left to save — the parent reads no exit hook's output and SIGKILLs the rank's process group
+    right after (what a task started is swept there)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def _serve(conn: multiprocessing.connection.Connection, ctx: WorkerContext, dist: Any) -> None:
