@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from torchrig.builtins.clusters.process_group import existing_default_group
-from torchrig.config.resolve import Layer, ResolvedConfig
+from torchrig.config.resolve import Layer
 from torchrig.errors import ConfigError
 from torchrig.plugin.types import StashKey
 
@@ -85,10 +85,7 @@ def group_backends(backend: str) -> set[str]:
 
 
 def _source(run: RunContext, key: str) -> str | None:
-    """Where ``key`` came from, if it states this job's intent; a run on a plain mapping (tests,
-    direct ``start_run``) has no layers, so every key given there is intent."""
-    if not isinstance(run.config, ResolvedConfig):
-        return "configuration" if run.config.get(key) is not None else None
+    """Where ``key`` came from, if it states this job's intent."""
     origin = run.option_source(key)
     return str(origin) if origin is not None and origin.layer in _INTENT_LAYERS else None
 

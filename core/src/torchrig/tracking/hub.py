@@ -489,7 +489,7 @@ def run_hyperparameters(run: RunContext, user_config: Mapping[str, Any] | None =
     """
     config = run.config
     full = config.get("tracker_hyperparameters", "summary") == "full"
-    sources: Mapping[str, Any] = getattr(config, "sources", {})
+    sources: Mapping[str, Any] = config.sources
     owners = Schema(run.plugins).section_owner if run.plugins is not None and full else {}
     selected = {info.key for info in run.plugins.plugins() if info.status.value == "selected"} if run.plugins and full else set()
     values: dict[str, Any] = {}
