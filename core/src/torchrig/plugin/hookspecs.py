@@ -44,6 +44,7 @@ from torchrig.plugin.markers import hookspec
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchrig.checkpoint.files import CheckpointWriter
+    from torchrig.config.resolved import ResolvedConfig
     from torchrig.distributed.collectives import Collectives
     from torchrig.distributed.device import DeviceBackend
     from torchrig.estimate.memory import MemoryEstimate, MemoryRequest
@@ -107,7 +108,7 @@ def torchrig_cli_flags() -> list[CliFlag]:
 
 
 @hookspec
-def torchrig_validate_config(config: Mapping[str, Any]) -> list[ConfigProblem | str]:
+def torchrig_validate_config(config: ResolvedConfig) -> list[ConfigProblem | str]:
     """Report what is wrong with the resolved configuration, from this plugin's point of view.
 
     - phase: configuration, twice with the same messages: in the launcher before any worker
@@ -116,7 +117,8 @@ def torchrig_validate_config(config: Mapping[str, Any]) -> list[ConfigProblem | 
     - ranks: the launcher; every worker.
     - kind: collecting, over the manifests of the *selected* plugins and the core. All
       problems from all plugins are reported together in one :class:`~torchrig.errors.ConfigError`.
-    - arguments: ``config`` — the resolved configuration.
+    - arguments: ``config`` — the resolved configuration (:class:`~torchrig.config.resolved.ResolvedConfig`:
+      ``config.section_of(Options)`` for a typed section, ``config.is_set(key)`` for what a source set).
     - return: problems (:class:`~torchrig.plugin.types.ConfigProblem` or plain strings); an empty
       list or ``None`` when satisfied. Cross-plugin checks belong here (DeepSpeed: "fp16 in
       ``mixed_precision`` but a bf16 block in the DeepSpeed JSON").
