@@ -27,7 +27,8 @@ from torchrig.accelerator.collectives import CollectiveCalls
 from torchrig.accelerator.context_parallel import context_parallel
 from torchrig.accelerator.preemption import PreemptionCalls
 from torchrig.accelerator.profiling import profile_options, profile_run
-from torchrig.accelerator.step_contexts import AccumulateContext, adjusted_autocast
+from torchrig.accelerator.step import StepCalls
+from torchrig.accelerator.step_contexts import AccumulateContext
 from torchrig.accelerator.tracking import TrackingCalls
 from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.compat.enums import RNGType
@@ -52,7 +53,7 @@ from torchrig.training.step_plan import StepPlan
 from torchrig.training.unprepared import UnpreparedParameterCheck
 
 
-class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCalls):
+class Accelerator(StepCalls, CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCalls):
     """Run one training script on one process or many, under the configured strategy.
 
     Arguments follow Hugging Face Accelerate's; ``strategy``, ``config_file`` and
@@ -416,24 +417,7 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
             self._replan()
         return model
 
-    # -- the training step ------------------------------------------------------------------
-
-    def backward(self, loss: Any, **kwargs: Any) -> None:
-        """Backward through the step plan. With gradient accumulation the loss is divided by the
-        number of accumulation steps here, exactly once (don't divide it yourself); a strategy
-        that owns accumulation (DeepSpeed) scales it itself."""
-        plan = self._plan or self._step_plan()
-        caps = self._run.capabilities
-        steps = self.gradient_state.num_steps
-        if steps > 1 and not (caps is not None and caps.owns_accumulation):
-            loss = loss / steps
-        plan.backward(loss, **kwargs)
-
-    def accumulate(self, *models: Any) -> Any:
-        """Context for one micro-step: decides whether this step syncs gradients (every
-        ``gradient_accumulation_steps`` steps, and at the end of the dataloader) and suppresses
-        gradient communication on the others (``no_sync``)."""
-        return self._accumulate.enter(models)
+    # -- the mesh the strategy built ----------------------------------------------------------
 
     @property
     def torch_device_mesh(self) -> Any:
@@ -466,52 +450,10 @@ class Accelerator(CheckpointCalls, TrackingCalls, CollectiveCalls, PreemptionCal
         assert self._run.capabilities is not None
         return self._run.capabilities
 
-    def no_sync(self, model: Any) -> Any:
-        """Suppress gradient synchronisation for ``model`` (through the strategy's no_sync)."""
-        return (self._plan or self._step_plan()).no_sync(model)
-
-    @property
-    def sync_gradients(self) -> bool:
-        return self.gradient_state.sync_gradients
-
-    @sync_gradients.setter
-    def sync_gradients(self, value: bool) -> None:
-        self.gradient_state.sync_gradients = value
-
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped (fp16 overflow), on any prepared optimizer."""
-        return any(optimizer.step_was_skipped for optimizer in self._optimizers)
-
-    def autocast(self, autocast_handler: Any = None) -> Any:
-        """The precision plugin's autocast, for computation outside the model's forward.
-        ``autocast_handler`` (``AutocastKwargs``) adjusts it for this block: ``enabled=False``
-        turns autocast off, ``cache_enabled`` sets the weight cache."""
-        plan_autocast = (self._plan or self._step_plan()).autocast
-        if autocast_handler is None:
-            return plan_autocast()
-        return adjusted_autocast(plan_autocast, self.device.type, autocast_handler)
-
     def profile(self, profile_handler: ProfileKwargs | None = None) -> Any:
         """Context manager yielding a ``torch.profiler.profile`` configured by ``profile_handler`` (default:
         the run's ``ProfileKwargs``); the trace goes to ``output_trace_dir/profile_{process_index}.json``."""
         return profile_run(self, profile_handler if profile_handler is not None else profile_options(self.config))
-
-    def unscale_gradients(self, optimizer: Any = None) -> None:
-        """Make gradients true-scale (fp16) before inspecting or clipping them."""
-        plan = self._plan or self._step_plan()
-        targets = [optimizer] if optimizer is not None else self._optimizers
-        for target in targets:
-            plan.unscale_gradients(getattr(target, "optimizer", target))
-
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
-        """Unscale, then clip the gradients' total norm (across shards when the strategy shards)."""
-        self.unscale_gradients()
-        return (self._plan or self._step_plan()).clip_grad_norm(parameters, max_norm, norm_type)
-
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        self.unscale_gradients()
-        (self._plan or self._step_plan()).clip_grad_value(parameters, clip_value)
 
     def wait_for_everyone(self) -> None:
         """Barrier; also where a failed asynchronous checkpoint save is raised (every rank)."""
