@@ -1,27 +1,20 @@
 """Manifest of the ``ddp`` strategy: what torchrig knows about DDP without importing torch.
 
 Loaded for every run, ``torchrig launch --help``, ``torchrig config`` and ``torchrig plugins``;
-must stay torch-free at import. The validation hook imports torch only when a check needs it.
+must stay torch-free at import. The validation hook reads the typed section in
+:mod:`torchrig_ddp.config_checks`, which imports torch only when a check needs it.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from torchrig.plugin import HOOK_API_VERSION, CliFlag, ConfigProblem, ConfigSection, PluginManifest, hookimpl, suggest
+from torchrig.plugin import HOOK_API_VERSION, CliFlag, ConfigProblem, ConfigSection, PluginManifest, hookimpl
+
+from torchrig_ddp.constants import COMM_HOOKS, COMM_WRAPPERS, SECTION
 
 if TYPE_CHECKING:
-    from torchrig.plugin import MemoryEstimate, MemoryRequest
-
-SECTION = "ddp_config"
-#: ``comm_hook`` values: which ``torch.distributed.algorithms.ddp_comm_hooks`` hook to register.
-COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
-#: ``comm_wrapper`` values: a compression wrapper around a PowerSGD hook.
-COMM_WRAPPERS = ("no", "fp16", "bf16")
-#: Hooks that take a ``PowerSGDState`` (``comm_state_option``) and may be wrapped.
-POWER_SGD_HOOKS = ("power_sgd", "batched_power_sgd")
+    from torchrig.plugin import MemoryEstimate, MemoryRequest, ResolvedConfig
 
 
 class DDPManifest(PluginManifest):
@@ -65,67 +58,13 @@ class DDPManifest(PluginManifest):
         return ddp_estimate(request)
 
     @hookimpl
-    def torchrig_validate_config(self, config: Mapping[str, Any]) -> list[ConfigProblem]:
-        """Combinations DDP accepts at construction but fails on at the first backward (or ignores)."""
+    def torchrig_validate_config(self, config: ResolvedConfig) -> list[ConfigProblem]:
+        """Combinations DDP accepts at construction but fails on at the first backward (or ignores);
+        see :mod:`torchrig_ddp.config_checks` (imported here: it reads the typed section, so it imports
+        the options class, which a run that does not select ddp never loads — benchmark B12)."""
+        from torchrig_ddp.config_checks import ddp_problems
+
         return ddp_problems(config)
 
 
-def ddp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
-    problems: list[ConfigProblem] = []
-    hook = config.get(f"{SECTION}.comm_hook", "no")
-    wrapper = config.get(f"{SECTION}.comm_wrapper", "no")
-    state = config.get(f"{SECTION}.comm_state_option")
-    if wrapper != "no" and hook in ("fp16", "bf16"):
-        problems.append(ConfigProblem(f"{SECTION}.comm_wrapper", (
-            f"{wrapper!r} cannot wrap comm_hook {hook!r}: that hook already compresses gradients to {hook}, and "
-            f"torch's {wrapper}_compress_wrapper only wraps PowerSGD hooks; use comm_hook: {hook} alone, or "
-            f"comm_hook: power_sgd with comm_wrapper: {wrapper}")))
-    elif wrapper != "no" and hook not in POWER_SGD_HOOKS:
-        problems.append(ConfigProblem(f"{SECTION}.comm_wrapper", (
-            f"{wrapper!r} needs a PowerSGD hook to wrap, but comm_hook is {hook!r}; set comm_hook: power_sgd "
-            "(or batched_power_sgd), or comm_wrapper: no")))
-    bf16_key = f"{SECTION}.comm_hook" if hook == "bf16" else f"{SECTION}.comm_wrapper" if wrapper == "bf16" else None
-    if bf16_key and (config.get("use_cpu") or not _cuda_available()):
-        problems.append(ConfigProblem(bf16_key, (
-            "bf16 gradient compression needs CUDA 11+ with NCCL 2.10+ (torch's bf16 compress hook refuses gloo); "
-            "this run has no CUDA device: use fp16 compression, or none")))
-    if state:
-        if hook not in POWER_SGD_HOOKS:
-            problems.append(ConfigProblem(f"{SECTION}.comm_state_option", (
-                f"configures the PowerSGD state, but comm_hook is {hook!r}; it is used only with comm_hook "
-                "power_sgd or batched_power_sgd")))
-        else:
-            problems.extend(_power_sgd_state_problems(state))
-    return problems
-
-
-def _cuda_available() -> bool:
-    """Imported lazily: only when a bf16 hook is configured."""
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _power_sgd_state_problems(state: Mapping[str, Any]) -> list[ConfigProblem]:
-    """Unknown ``PowerSGDState`` arguments, checked against torch's own signature (imported only here,
-    only when a PowerSGD state is configured). ``process_group`` is the runtime's to pass."""
-    key = f"{SECTION}.comm_state_option"
-    try:
-        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
-
-        accepted = [name for name in inspect.signature(PowerSGDState.__init__).parameters
-                    if name not in ("self", "process_group")]
-    except Exception:  # torch without distributed support: the runtime will say so
-        return []
-    problems = []
-    for name in state:
-        if name == "process_group":
-            problems.append(ConfigProblem(key, "process_group is set by torchrig (the job's process group); remove it"))
-        elif name not in accepted:
-            hint = suggest(str(name), accepted)
-            problems.append(ConfigProblem(key, f"unknown PowerSGDState argument {name!r}{hint}; "
-                                               f"accepted: {', '.join(accepted)}"))
-    return problems
-
-
-__all__ = ["DDPManifest", "ddp_problems"]
+__all__ = ["DDPManifest"]

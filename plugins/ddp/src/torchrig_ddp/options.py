@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 from torchrig.plugin import KwargsHandler, at_least, enum_name, option
 
-from torchrig_ddp.manifest import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS
+from torchrig_ddp.constants import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD_HOOKS
 
 
 class DDPCommunicationHookType(str, enum.Enum):
