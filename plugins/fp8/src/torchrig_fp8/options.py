@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 from torchrig.plugin import KwargsHandler, option
 
-from torchrig_fp8.manifest import BACKENDS, EMULATE_ENV, OTHER_BACKEND_KEYS, RECIPES, SECTION
+from torchrig_fp8.constants import BACKENDS, EMULATE_ENV, OTHER_BACKEND_KEYS, RECIPES, SECTION
 
 
 def _upper(value: Any) -> Any:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torchrig.plugin import RunContext, StepPlanBuilder, get_logger, hookimpl, install_autocast
 
+from torchrig_fp8.config_checks import device_problem, hardware_problem
 from torchrig_fp8.convert import ConversionReport, convert, import_float8
-from torchrig_fp8.manifest import device_problem, hardware_problem
 from torchrig_fp8.options import SECTION, AORecipeKwargs
 
 logger = get_logger(__name__)
