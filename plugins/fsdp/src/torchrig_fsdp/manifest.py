@@ -1,6 +1,6 @@
 """Manifest of the ``fsdp`` strategy (FSDP2, ``fully_shard``): its options, flags and checks, torch-free.
 
-Decisions the checks encode (see also ``torchrig_fsdp.options``):
+Decisions the checks (:mod:`torchrig_fsdp.config_checks`) encode (see also ``torchrig_fsdp.options``):
 
 * ``cpu_offload`` without an accelerator (or with ``use_cpu``) is an error: FSDP2's
   ``CPUOffloadPolicy`` moves shards between accelerator memory and pinned CPU memory, and pinning
@@ -20,22 +20,21 @@ Decisions the checks encode (see also ``torchrig_fsdp.options``):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchrig.plugin import HOOK_API_VERSION, TP_STYLES, CliFlag, ConfigProblem, ConfigSection, PluginManifest, hookimpl
 
-from torchrig_fsdp.hf_style_names import REFUSED_STYLES, TRANSFORMERS_STYLE_NAMES
+from torchrig_fsdp.constants import (
+    AUTO_WRAP_POLICIES,
+    BACKWARD_PREFETCH,
+    SECTION,
+    SHARDING_STRATEGIES,
+    STATE_DICT_TYPES,
+)
+from torchrig_fsdp.hf_style_names import TRANSFORMERS_STYLE_NAMES
 
 if TYPE_CHECKING:
-    from torchrig.plugin import MemoryEstimate, MemoryRequest
-
-SECTION = "fsdp_config"
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
-AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
-STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
-HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+    from torchrig.plugin import MemoryEstimate, MemoryRequest, ResolvedConfig
 
 
 class FSDPManifest(PluginManifest):
@@ -93,85 +92,13 @@ class FSDPManifest(PluginManifest):
         return fsdp_estimate(request)
 
     @hookimpl
-    def torchrig_validate_config(self, config: Mapping[str, Any]) -> list[ConfigProblem]:
-        """What FSDP2 would reject at ``fully_shard`` time, or silently do differently, found before launch."""
+    def torchrig_validate_config(self, config: ResolvedConfig) -> list[ConfigProblem]:
+        """What FSDP2 would reject at ``fully_shard`` time, or silently do differently, found before launch;
+        see :mod:`torchrig_fsdp.config_checks` (imported here: it reads the typed section, so it imports the
+        options class, which a run without fsdp never loads — benchmark B12)."""
+        from torchrig_fsdp.config_checks import fsdp_problems
+
         return fsdp_problems(config)
 
 
-def fsdp_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
-    problems: list[ConfigProblem] = []
-    get = config.get
-    if get(f"{SECTION}.cpu_offload"):
-        problem = _offload_problem(config)
-        if problem:
-            problems.append(ConfigProblem(f"{SECTION}.cpu_offload", problem))
-    strategy = get(f"{SECTION}.sharding_strategy")
-    machines, processes = get("num_machines") or 1, get("num_processes")
-    if strategy in HYBRID and processes and machines > 1 and processes % machines:
-        problems.append(ConfigProblem(f"{SECTION}.sharding_strategy", (
-            f"{strategy} shards within each machine and replicates across machines, so num_processes ({processes}) "
-            f"must be a multiple of num_machines ({machines})")))
-    if get(f"{SECTION}.cpu_ram_efficient_loading") and not get(f"{SECTION}.sync_module_states", True):
-        problems.append(ConfigProblem(f"{SECTION}.cpu_ram_efficient_loading", (
-            "needs sync_module_states: true: only rank 0 loads the weights, the other ranks receive them by the "
-            "broadcast that sync_module_states performs")))
-    mesh_sizes = [get(f"parallelism_config.{axis}_size", 1) for axis in ("dp_replicate", "dp_shard", "tp", "cp", "pp")]
-    if strategy in (*HYBRID, "NO_SHARD") and any(size != 1 for size in mesh_sizes):
-        problems.append(ConfigProblem(f"{SECTION}.sharding_strategy", (
-            f"{strategy} and parallelism_config both describe the mesh; with parallelism_config set "
-            "parallelism_config.dp_replicate_size (replicas) and dp_shard_size (shards per replica) instead")))
-    tp = get("parallelism_config.tp_size", 1)
-    data = [get(f"parallelism_config.{axis}_size", 1) for axis in ("dp_replicate", "dp_shard")]
-    if get("mixed_precision") == "fp16" and tp not in (1, None) and all(size == 1 for size in data):
-        problems.append(ConfigProblem("mixed_precision", (
-            "fp16 with tensor parallel alone (no dp_shard/dp_replicate axis) is not supported: the loss scaler cannot "
-            "unscale plain and tensor-parallel gradients together; use bf16, or add a data axis "
-            "(parallelism_config.dp_shard_size)")))
-    shared = [f"{axis}_size={get(f'parallelism_config.{axis}_size', 1)}" for axis in ("cp", "tp")
-              if get(f"parallelism_config.{axis}_size", 1) != 1]
-    if get("dataloader_config.dispatch_batches") and shared:
-        problems.append(ConfigProblem("dataloader_config.dispatch_batches", (
-            f"the main process would send batches to every rank, but with {' and '.join(shared)} the ranks of one "
-            "tensor/context-parallel group must get the same batch; set dispatch_batches: false (each data-parallel "
-            "rank reads its own)")))
-    if get("parallelism_config.async_tp") and (get("use_cpu") or get("device") == "cpu"):
-        problems.append(ConfigProblem("parallelism_config.async_tp", (
-            "needs CUDA devices (its overlap uses symmetric-memory kernels torch has for CUDA only) but this run uses "
-            "the CPU (use_cpu/device); set async_tp: false")))
-    plan = get("parallelism_config.tp_plan")
-    for pattern, style in (plan.items() if isinstance(plan, Mapping) else ()):
-        if style in REFUSED_STYLES:  # known names the runtime cannot honour: said before launch, not at prepare
-            problems.append(ConfigProblem("parallelism_config.tp_plan", (
-                f"{pattern!r}: style {style!r} is refused: {REFUSED_STYLES[style]}")))
-    if get(f"{SECTION}.activation_checkpointing") and get(f"{SECTION}.auto_wrap_policy") == "NO_WRAP":
-        problems.append(ConfigProblem(f"{SECTION}.activation_checkpointing", (
-            "checkpoints each wrapped block, but auto_wrap_policy is NO_WRAP (no blocks); use TRANSFORMER_BASED_WRAP "
-            "or SIZE_BASED_WRAP")))
-    return problems
-
-
-def _offload_problem(config: Mapping[str, Any]) -> str | None:
-    fix = ("set cpu_offload: false (Accelerate: fsdp_offload_params: false); on the CPU the parameters are in CPU "
-           "memory already")
-    if config.get("use_cpu") or config.get("device") == "cpu":
-        return f"offloads from an accelerator to CPU memory, but this run uses the CPU (use_cpu/device); {fix}"
-    if not _accelerator_available():
-        return ("needs an accelerator: FSDP2's CPUOffloadPolicy moves shards between accelerator memory and pinned "
-                f"CPU memory, and torch finds no accelerator on this machine; {fix}")
-    return None
-
-
-def _accelerator_available() -> bool:
-    """Imports torch: called only when ``cpu_offload`` is on."""
-    import torch
-
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "is_available"):
-        if not accelerator.is_available():
-            return False
-        device = accelerator.current_accelerator()
-        return device is not None and device.type != "mps"  # FSDP does not run on MPS
-    return torch.cuda.is_available()
-
-
-__all__ = ["FSDPManifest", "fsdp_problems"]
+__all__ = ["FSDPManifest"]

@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 from torchrig.plugin import at_least, class_names, enum_name, option, suggest
 
-from torchrig_fsdp.manifest import AUTO_WRAP_POLICIES, BACKWARD_PREFETCH, SHARDING_STRATEGIES, STATE_DICT_TYPES
+from torchrig_fsdp.constants import AUTO_WRAP_POLICIES, BACKWARD_PREFETCH, SHARDING_STRATEGIES, STATE_DICT_TYPES
 
 #: ``min_num_params`` used by SIZE_BASED_WRAP when none is given: torch's
 #: ``size_based_auto_wrap_policy`` default (and Accelerate's questionnaire default).

@@ -45,8 +45,8 @@ from torchrig.plugin import (
 from torchrig_fsdp import async_tp, pipeline, submeshes
 from torchrig_fsdp import checkpoint as fsdp_checkpoint
 from torchrig_fsdp import mesh as nd
+from torchrig_fsdp.constants import HYBRID, SECTION
 from torchrig_fsdp.explain import FSDPConfigError, noted
-from torchrig_fsdp.manifest import HYBRID, SECTION
 from torchrig_fsdp.materialize import MaterializeError, materialize, meta_modules
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 from torchrig_fsdp.partial_norms import dtensor_grad_norm

@@ -16,8 +16,8 @@ from torchrig.plugin import ConfigError, ConfigLayer, RunContext
 
 from torchrig_fsdp import hf_styles
 from torchrig_fsdp import mesh as mesh_module
+from torchrig_fsdp.constants import SECTION
 from torchrig_fsdp.explain import FSDPConfigError, noted
-from torchrig_fsdp.manifest import SECTION
 from torchrig_fsdp.mesh import model_plan, torchrig_styles
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
