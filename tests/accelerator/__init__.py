@@ -1,0 +1,1 @@
+"""Tests of torchrig.accelerator: the Accelerator and its per-concern parts."""
