@@ -15,7 +15,7 @@ from torchrig.plugin import hookspecs
 from torchrig.plugin.markers import PROJECT_NAME
 from torchrig.testing import make_host
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CORE_FAMILIES = ("core:defaults", "core:process-defaults", "core:training-defaults", "core:launch-defaults")
 
 

@@ -1,0 +1,1 @@
+"""Tests of torchrig.plugin: the hook contract and the plugin API."""
