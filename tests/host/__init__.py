@@ -1,0 +1,1 @@
+"""Tests of torchrig.host: plugin discovery, the plugin host, run assembly."""
