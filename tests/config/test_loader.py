@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from torchrig.config.loader import Document, Mark, load_file, load_text, resolve_extends
 from torchrig.errors import ConfigError
 
-FSDP_CONFIG = (pathlib.Path(__file__).parents[1] / "plugins" / "fsdp" / "tests" / "data" / "accelerate_fsdp_config.yaml").read_text()
+FSDP_CONFIG = (pathlib.Path(__file__).parents[2] / "plugins" / "fsdp" / "tests" / "data" / "accelerate_fsdp_config.yaml").read_text()
 
-MULTI_GPU_CONFIG = (pathlib.Path(__file__).parent / "data" / "accelerate_multi_gpu_config.yaml").read_text()
+MULTI_GPU_CONFIG = (pathlib.Path(__file__).parents[1] / "compat" / "data" / "accelerate_multi_gpu_config.yaml").read_text()
 
 
 def write(tmp_path, name, text):

@@ -28,9 +28,9 @@ from torchrig_deepspeed import config_checks
 from torchrig_deepspeed.options import DeepSpeedPlugin
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
-SEED_FSDP = (pathlib.Path(__file__).parents[1] / "plugins" / "fsdp" / "tests" / "data" / "accelerate_fsdp_config.yaml").read_text()
+SEED_FSDP = (pathlib.Path(__file__).parents[2] / "plugins" / "fsdp" / "tests" / "data" / "accelerate_fsdp_config.yaml").read_text()
 
-MULTI_GPU = (pathlib.Path(__file__).parent / "data" / "accelerate_multi_gpu_config.yaml").read_text()
+MULTI_GPU = (pathlib.Path(__file__).parents[1] / "compat" / "data" / "accelerate_multi_gpu_config.yaml").read_text()
 
 #: A Hugging Face style DeepSpeed config: "auto" everywhere the runtime fills values in.
 HF_DS_CONFIG = {

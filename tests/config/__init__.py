@@ -1,0 +1,1 @@
+"""Tests of torchrig.config: typed sections, sources, precedence, validation."""
