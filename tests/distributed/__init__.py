@@ -1,0 +1,1 @@
+"""Tests of torchrig.distributed: processes, process groups, collectives, devices."""
