@@ -3,7 +3,7 @@
 ``logging``, ``big_modeling``) answers every public name ``dir()`` of Accelerate 1.15's module of the
 same path shows — implemented as torchrig's object or refused with why and what to use.
 
-The names come from ``tests/data/accelerate_names.json``, which ``tests/data/gen_accelerate_names.py``
+The names come from ``tests/compat/data/accelerate_names.json``, which ``tests/compat/data/gen_accelerate_names.py``
 generated from the Accelerate 1.15.0 wheel; these tests run without Accelerate installed. The
 generator's own rule is tested here on synthetic modules; set TORCHRIG_ACCELERATE_PYTHON to a Python
 that imports Accelerate to regenerate the list and compare it with the committed one.

@@ -1,11 +1,11 @@
-"""List the flags of Accelerate's ``accelerate launch``, for ``tests/test_accelerate_launch_flags.py``.
+"""List the flags of Accelerate's ``accelerate launch``, for ``tests/compat/test_accelerate_launch_flags.py``.
 
     python -m venv --system-site-packages /tmp/accvenv
     /tmp/accvenv/bin/pip install --no-deps accelerate-1.15.0-py3-none-any.whl
-    /tmp/accvenv/bin/python tests/data/gen_accelerate_launch_flags.py
+    /tmp/accvenv/bin/python tests/compat/data/gen_accelerate_launch_flags.py
 
 Run it with a Python that imports the Accelerate release to list. It writes
-``tests/data/accelerate_launch_flags.json``; the test compares it with what ``torchrig launch``
+``tests/compat/data/accelerate_launch_flags.json``; the test compares it with what ``torchrig launch``
 accepts, so the test runs without Accelerate installed.
 
 The rule (RULE below, recorded in the output): every option string of every action of

@@ -1,6 +1,6 @@
 """The Accelerate name table (``torchrig.compat.accelerate_names``): it holds exactly the public names
-of Accelerate's modules (the snapshot ``tests/data/accelerate_names.json``, generated from
-Accelerate's own source by ``tests/data/gen_accelerate_names.py``), every implemented name imports
+of Accelerate's modules (the snapshot ``tests/compat/data/accelerate_names.json``, generated from
+Accelerate's own source by ``tests/compat/data/gen_accelerate_names.py``), every implemented name imports
 from the same module path under ``torchrig``, every refusal says why and what to use, and the state
 objects report Accelerate's ``DistributedType``/``PrecisionType`` from what the plugins declare."""
 
@@ -270,7 +270,7 @@ def test_partial_state_in_one_process_without_an_accelerator():
 
 
 def test_docs_list_every_refusal_and_plugin_provided_name_as_the_table_declares():
-    docs = Path(__file__).resolve().parents[1] / "docs"
+    docs = Path(__file__).resolve().parents[2] / "docs"
     sys.path.insert(0, str(docs))
     try:
         from gen_accelerate_reference import BEGIN, END, generated_section

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torchrig.builtins.clusters as clusters_package
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: ``torchrig.builtins.clusters.__all__`` in 0.1 -> the module each name lives in since 0.2
 OLD_NAMES = {

@@ -3,8 +3,8 @@ applied where torchrig has the meaning, accepted with the config table's "no eff
 with the reason — never "unrecognized flag". Plugin-owned flags without their plugin give the install
 hint ``--strategy`` gives.
 
-The list is ``tests/data/accelerate_launch_flags.json``, generated from Accelerate 1.15's own parser by
-``tests/data/gen_accelerate_launch_flags.py``: a flag a new Accelerate adds fails here until the table
+The list is ``tests/compat/data/accelerate_launch_flags.json``, generated from Accelerate 1.15's own parser by
+``tests/compat/data/gen_accelerate_launch_flags.py``: a flag a new Accelerate adds fails here until the table
 ``torchrig.config.compat.ACCELERATE_LAUNCH_FLAGS`` (or a torchrig flag) says what it does.
 """
 

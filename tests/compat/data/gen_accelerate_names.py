@@ -2,11 +2,11 @@
 
     python -m venv --system-site-packages /tmp/accvenv
     /tmp/accvenv/bin/pip install --no-deps accelerate-1.15.0-py3-none-any.whl
-    /tmp/accvenv/bin/python tests/data/gen_accelerate_names.py
+    /tmp/accvenv/bin/python tests/compat/data/gen_accelerate_names.py
 
 Run it with a Python that imports the Accelerate release to list (never the project's own environment:
-Accelerate there would only confuse the tests). It writes ``tests/data/accelerate_names.json``, which
-``tests/test_accelerate_names.py`` and ``tests/test_accelerate_namespaces.py`` compare with
+Accelerate there would only confuse the tests). It writes ``tests/compat/data/accelerate_names.json``, which
+``tests/compat/test_accelerate_names.py`` and ``tests/compat/test_accelerate_namespaces.py`` compare with
 ``torchrig.compat.accelerate_names.TABLE`` (so those tests run without Accelerate installed).
 
 The rule (RULE below, recorded in the output): a name of module M is listed when ``dir(M)`` shows it

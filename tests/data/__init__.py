@@ -1,0 +1,1 @@
+"""Tests of torchrig.data: prepared data loaders."""
