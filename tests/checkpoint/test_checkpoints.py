@@ -2,7 +2,7 @@
 
 In-process tests drive ``save_state``/``load_state`` on one process; the fault matrix kills rank 0
 or rank 1 of the shared 2-rank gloo pool at every named phase of a save; the resume tests run
-``tests/checkpoint_scripts/resumable_train.py`` as a user would (``python`` and ``torchrig
+``tests/checkpoint/checkpoint_scripts/resumable_train.py`` as a user would (``python`` and ``torchrig
 launch``), SIGKILL it, relaunch it, and compare with a run that was never interrupted.
 """
 

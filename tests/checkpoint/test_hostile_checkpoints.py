@@ -5,7 +5,7 @@ nothing, manifest paths outside the checkpoint, a silent rollback past a damaged
 malformed manifest, and a run without a seed that could not resume.
 
 Single-process cases run in this process; the exit-time cases run scripts from
-``tests/checkpoint_scripts/`` as a user would (``python`` and ``torchrig launch``); the FSDP and
+``tests/checkpoint/checkpoint_scripts/`` as a user would (``python`` and ``torchrig launch``); the FSDP and
 DeepSpeed loaders run on the shared 2-rank gloo pool.
 """
 

@@ -1,0 +1,1 @@
+"""Tests of torchrig.checkpoint: the commit protocol, manifests, loading, HF weights."""
