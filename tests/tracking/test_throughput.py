@@ -1,6 +1,6 @@
 """The throughput monitor (issue 21): its window arithmetic against hand computation, the FLOPs
 estimate against ``FlopCounterMode``, the peak-FLOPs table, and a short real training whose jsonl
-tracker file is read back. The disabled path's cost is tests/test_hot_path_budget.py's."""
+tracker file is read back. The disabled path's cost is tests/training/test_hot_path_budget.py's."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Tests of torchrig.tracking: the tracker hub, lanes, throughput."""
