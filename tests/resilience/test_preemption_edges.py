@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_preemption import RUN_TIMEOUT, _assert_same_training, _checkpoints, _env, _launch, _log, _run, _train
 from torchrig.launch.status import RUN_STATUS_FILE
+
+from .test_preemption import RUN_TIMEOUT, _assert_same_training, _checkpoints, _env, _launch, _log, _run, _train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(6 * RUN_TIMEOUT)]
 

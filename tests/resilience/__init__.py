@@ -1,0 +1,1 @@
+"""Tests of torchrig.resilience: preemption, run status, liveness."""
