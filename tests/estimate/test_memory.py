@@ -224,7 +224,7 @@ def _cli(capsys, *argv):
 
 def test_factory_json_sums_components_and_compares_strategies(capsys, monkeypatch):
     monkeypatch.chdir(HERE)
-    code, out, err = _cli(capsys, "test_estimate_memory:tiny_transformer", "--batch_size", "4", "--seq_len", "16",
+    code, out, err = _cli(capsys, "test_memory:tiny_transformer", "--batch_size", "4", "--seq_len", "16",
                           "--num_processes", "2", "--compare", "fsdp,deepspeed", "--zero_stage", "2", "--json")
     assert code == 0, err
     report = json.loads(out)
@@ -248,11 +248,11 @@ def test_transformers_config_file_estimates_activations(tmp_path, capsys):
 
 @pytest.mark.parametrize(("argv", "named"), [
     (["no_such_module_xyz:build"], "no_such_module_xyz"),
-    (["test_estimate_memory:nothing_here"], "nothing_here"),
+    (["test_memory:nothing_here"], "nothing_here"),
     (["surely-not-cached/model-xyz"], "local cache"),
-    (["test_estimate_memory.py"], "not a readable JSON config"),
-    (["test_estimate_memory:mlp", "--batch_size", "0"], "--batch_size"),
-    (["test_estimate_memory:mlp", "--optimizer", "lion"], "--optimizer"),
+    (["test_memory.py"], "not a readable JSON config"),
+    (["test_memory:mlp", "--batch_size", "0"], "--batch_size"),
+    (["test_memory:mlp", "--optimizer", "lion"], "--optimizer"),
 ])
 def test_bad_input_exits_2_naming_what_is_wrong(capsys, monkeypatch, argv, named):
     monkeypatch.chdir(HERE)

@@ -1,0 +1,1 @@
+"""Tests of torchrig.estimate: memory estimates."""
