@@ -1,6 +1,6 @@
 """``torchrig launch`` handing the ranks to Slurm or MPI, seen through ``--dry-run`` (nothing started).
 
-The real runs (sbatch, srun, mpirun) are in tests/test_slurm.py and tests/test_mpi.py; here the
+The real runs (sbatch, srun, mpirun) are in tests/builtins/test_slurm.py and tests/builtins/test_mpi.py; here the
 generated batch script, ``srun`` and ``mpirun`` lines, and the configuration errors, exactly.
 """
 

@@ -4,7 +4,7 @@ Every value that reaches the ``sbatch`` script or the ``srun``/``mpirun`` line â
 ``slurm:``/``mpi:`` sections, the script's file name and arguments, the log directory, the working
 directory, the environment â€” must either arrive exactly or be refused by name; nothing may run.
 ``--dry-run`` must print what runs: pasting the printed ``mpirun`` line (``shlex.split``) gives the
-argv the real launch executes. The real jobs under Slurm are in tests/test_slurm.py; here the
+argv the real launch executes. The real jobs under Slurm are in tests/builtins/test_slurm.py; here the
 refusals (no process), the printed script, and the real ``mpirun``.
 """
 
@@ -27,7 +27,7 @@ from torchrig.launch.cli import main, run_launch
 from torchrig.testing import make_host
 from torchrig.testing.processes import spawn_in_new_session
 
-ECHO = pathlib.Path(__file__).parent / "cluster_scripts" / "echo_argv.py"
+ECHO = pathlib.Path(__file__).parents[1] / "builtins" / "cluster_scripts" / "echo_argv.py"
 MARKER = "PWNED"
 
 

@@ -2,7 +2,7 @@
 
 Each test reproduces one defect as an adversarial user met it; each failed on the code before
 its fix. Multi-process tests run real ``torchrig launch`` processes (each in its own session,
-tracked by the process guard) with hard timeouts, as in ``tests/test_launch.py``.
+tracked by the process guard) with hard timeouts, as in ``tests/launch/test_launch.py``.
 """
 
 from __future__ import annotations
