@@ -1,0 +1,1 @@
+"""Tests of torchrig.cli: the torchrig command."""
