@@ -1,5 +1,5 @@
-"""A rank that reports what it received, for the hand-off payload tests (tests/test_handoff_payloads.py,
-tests/test_slurm.py): ``echo_argv.py OUT_DIR [ARGS...]`` writes ``OUT_DIR/rank-<rank>.json`` with its
+"""A rank that reports what it received, for the hand-off payload tests (tests/launch/test_handoff_payloads.py,
+tests/builtins/test_slurm.py): ``echo_argv.py OUT_DIR [ARGS...]`` writes ``OUT_DIR/rank-<rank>.json`` with its
 ``sys.argv``, working directory and the variables torchrig launch hands its workers. No torch, no
 torchrig: it must start in milliseconds under srun and mpirun."""
 

@@ -1,6 +1,6 @@
 """``torchrig launch --cluster mpi`` hands the ranks to a real Open MPI ``mpirun`` (Debian's
 openmpi-bin); skipped with the reason when ``mpirun`` is not installed. The printed line
-(``--dry-run``) is checked in tests/test_handoff.py."""
+(``--dry-run``) is checked in tests/launch/test_handoff.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A worker for tests/test_adopted_and_env_clusters.py, started by the test (no launcher) or by torchrun.
+"""A worker for tests/builtins/test_adopted_and_env_clusters.py, started by the test (no launcher) or by torchrun.
 
 ``worker.py plain OUT``: an Accelerator script that lets torchrig find its place from the
 environment (a PyTorchJob pod: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; or torchrun's set).

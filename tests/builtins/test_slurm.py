@@ -15,13 +15,14 @@ import sys
 import time
 
 import pytest
-from slurm_cluster import SlurmTestCluster, Unavailable
+
+from .slurm_cluster import SlurmTestCluster, Unavailable
 
 pytestmark = [pytest.mark.multiprocess]
 
 TESTS = pathlib.Path(__file__).parent
 WORKER = TESTS / "cluster_scripts" / "worker.py"
-PREEMPTIBLE = TESTS / "preemption_scripts" / "preemptible_train.py"
+PREEMPTIBLE = TESTS.parent / "resilience" / "preemption_scripts" / "preemptible_train.py"
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,1 @@
+"""Tests of torchrig.builtins: built-in devices, precisions, the single strategy, cluster environments."""
