@@ -1,0 +1,1 @@
+"""Tests of torchrig.defaults: the core's default hook implementations."""
