@@ -1,0 +1,1 @@
+"""Tests of torchrig.testing: the test kit itself."""
