@@ -4,7 +4,7 @@ The scripts take ``--model_name_or_path <dir>`` and ``--train_file``/``--validat
 download is built here instead: a WordPiece tokenizer trained with ``tokenizers`` on generated sentences and saved
 with ``PreTrainedTokenizerFast.save_pretrained``, tiny randomly initialised models (BERT for classification and
 masked LM, GPT-2 for causal LM) saved with ``save_pretrained``, and csv/json data files. Run as a module to build
-them into a directory: ``python tests/no_trainer/build_inputs.py <dir>``.
+them into a directory: ``python tests/end_to_end/no_trainer/build_inputs.py <dir>``.
 """
 
 from __future__ import annotations

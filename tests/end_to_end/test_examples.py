@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 def run_example(name: str, *args: str, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:

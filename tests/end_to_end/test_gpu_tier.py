@@ -4,7 +4,7 @@ The CPU tiers run every test with ``cpu=True``; these run the same paths where a
 picks the GPU by itself: the cuda device plugin, batches moved by the prepared loader (pinned,
 non-blocking), autocast and the GradScaler on cuda, the cuda RNG in checkpoints, and inductor
 generating GPU kernels. The multi-GPU launches (DDP over NCCL, FSDP2, DeepSpeed) are in
-tests/test_launch.py and the plugins' tests; they use every visible GPU, up to two."""
+tests/launch/test_launch.py and the plugins' tests; they use every visible GPU, up to two."""
 
 from __future__ import annotations
 

@@ -61,5 +61,5 @@ SUPPORTED = {("accuracy", None), ("glue", "mrpc"), ("glue", "sst2"), ("glue", "r
 def load(path: str, config_name: str | None = None, **_: object) -> Metric:
     if (path, config_name) not in SUPPORTED:
         raise ValueError(f"the offline evaluate stand-in has no metric {path!r} (config {config_name!r}); "
-                         f"it provides {sorted(map(str, SUPPORTED))}: add it to tests/no_trainer/stand_ins/evaluate")
+                         f"it provides {sorted(map(str, SUPPORTED))}: add it to tests/end_to_end/no_trainer/stand_ins/evaluate")
     return Metric(path, config_name)

@@ -1,7 +1,7 @@
 """Issue 17's promise, checked on Accelerate's own examples: ``sed -E 's/\\baccelerate\\b/torchrig/g'`` on a script and
 its launch command is the whole migration.
 
-``tests/accelerate_examples/`` holds Accelerate's examples (upstream commit recorded in each file's header, with every
+``tests/end_to_end/accelerate_examples/`` holds Accelerate's examples (upstream commit recorded in each file's header, with every
 line that was replaced: only the loading of data, model, tokenizer and metric, swapped for the offline stand-ins of
 ``offline.py``, and the number of epochs). Each test copies one example to a temporary directory, applies the
 mechanical rename to the script and to its launch command, and runs it as a user would: ``python example.py --cpu``
@@ -132,7 +132,7 @@ def assert_trained(run: Run, epochs: int = 1) -> dict:
 
 PROCESSES = [pytest.param(1, id="1proc"), pytest.param(2, id="2proc", marks=pytest.mark.multiprocess)]
 # For the examples whose single-process path is nlp_example's plus one feature, the 1-process run is in the slow
-# tier (``python -m pytest -m slow tests/test_accelerate_examples.py``): the suite has a time budget and each run
+# tier (``python -m pytest -m slow tests/end_to_end/test_accelerate_examples.py``): the suite has a time budget and each run
 # costs 5-15 s of interpreter start and imports on 2 shared cores. Their 2-process run, always on, covers more.
 PROCESSES_1_SLOW = [pytest.param(1, id="1proc", marks=pytest.mark.slow),
                     pytest.param(2, id="2proc", marks=pytest.mark.multiprocess)]

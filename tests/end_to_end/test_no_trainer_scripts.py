@@ -3,11 +3,11 @@
 ``torchrig launch`` on 1 and 2 CPU processes, with ``--with_tracking``, ``--checkpointing_steps`` then
 ``--resume_from_checkpoint``, ``--gradient_accumulation_steps`` and ``--mixed_precision bf16``.
 
-Inputs are built offline by ``tests/no_trainer/build_inputs.py`` (a locally trained tokenizer, tiny models saved with
-``save_pretrained``, csv/json files); ``tests/no_trainer/stand_ins/evaluate`` stands in for the ``evaluate`` package,
+Inputs are built offline by ``tests/end_to_end/no_trainer/build_inputs.py`` (a locally trained tokenizer, tiny models saved with
+``save_pretrained``, csv/json files); ``tests/end_to_end/no_trainer/stand_ins/evaluate`` stands in for the ``evaluate`` package,
 whose ``load`` fetches metric scripts from the Hub. Two sets of scripts run:
 
-* ``tests/no_trainer/run_task_no_trainer.py``: torchrig's own script that makes the no_trainer scripts' Accelerate
+* ``tests/end_to_end/no_trainer/run_task_no_trainer.py``: torchrig's own script that makes the no_trainer scripts' Accelerate
   calls in their order (clm, mlm and glue tasks), always run;
 * transformers' own scripts, from a transformers checkout named by ``TORCHRIG_TRANSFORMERS_EXAMPLES`` (its
   ``examples/pytorch`` folder, at the tag of the installed transformers). They are not in this repository (they are
