@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

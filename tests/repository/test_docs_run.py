@@ -39,7 +39,7 @@ import yaml
 from torchrig.cli.main import main as torchrig_main
 from torchrig.estimate.memory_model import ModelSpecError, resolve_model
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 LANGUAGES = ("python", "yaml", "bash", "toml", "json", "text")
 FENCE = re.compile(r"^(?P<indent> *)```(?P<info>.*)$")

@@ -12,7 +12,7 @@ import re
 import pytest
 import tomllib
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PROJECTS = {tomllib.loads(path.read_text())["project"]["name"]: tomllib.loads(path.read_text())["project"]
             for path in [REPO / "core" / "pyproject.toml", *sorted((REPO / "plugins").glob("*/pyproject.toml"))]}
 #: Heavy or test-only libraries -> the extras of ``torchrig`` that may bring each.

@@ -9,7 +9,7 @@ from torchrig.config.readers import env_name
 from torchrig.config.resolve import Schema
 from torchrig.testing import make_host
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 #: The configuration reference covers torchrig's own distributions (not examples/localsgd's plugin).
 FIRST_PARTY = ("torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers",
                "torchrig-ray", "torchrig-fp8")

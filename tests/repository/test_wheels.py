@@ -17,7 +17,7 @@ import pytest
 import tomllib
 import torchrig
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DISTRIBUTIONS = ["core", "plugins/ddp", "plugins/fsdp", "plugins/deepspeed", "plugins/trackers", "plugins/ray",
                  "plugins/fp8"]
 

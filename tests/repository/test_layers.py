@@ -16,7 +16,7 @@ from torchrig.compat.accelerate_names import TABLE as ACCELERATE_MODULES
 from torchrig.compat.moved_modules import MOVED_MODULES
 from torchrig.testing.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "core" / "src" / "torchrig"
 gen_layer_diagram = load_script(ROOT / "docs" / "gen_layer_diagram.py")  # docs/ is not a package: a script
 

@@ -11,7 +11,7 @@ import pytest
 import tomllib
 import torchrig
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PLUGINS = {"ddp": "torchrig-ddp", "fsdp": "torchrig-fsdp", "deepspeed": "torchrig-deepspeed", "trackers": "torchrig-trackers",
            "ray": "torchrig-ray", "fp8": "torchrig-fp8"}
 

@@ -1,0 +1,1 @@
+"""The repository as a whole: lint, layers, test layout, docs, packaging, wheels, benchmarks harness."""
