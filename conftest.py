@@ -7,7 +7,7 @@ says so. A test without the ``multiprocess`` marker (given by hand, or by asking
 ``multiprocessing`` — fails, naming what it started and how to mark it. Set
 ``TESTS_REPORT_SPAWNS=path`` to list such tests in a file instead of failing them.
 
-One exemption stays in the tier: ``lint`` tests (tests/test_lint.py), whose ruff is a binary
+One exemption stays in the tier: ``lint`` tests (tests/repository/test_lint.py), whose ruff is a binary
 started once for the whole repository — a fraction of a second, no interpreter, no torch.
 """
 

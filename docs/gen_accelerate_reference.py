@@ -4,7 +4,7 @@
 
 Everything between the ``<!-- names:begin -->`` and ``<!-- names:end -->`` markers of
 docs/accelerate.md is this script's output, so the document cannot drift from
-``torchrig.compat.accelerate_names``; tests/test_accelerate_names.py checks it. Torch-free.
+``torchrig.compat.accelerate_names``; tests/compat/test_accelerate_names.py checks it. Torch-free.
 """
 
 from __future__ import annotations

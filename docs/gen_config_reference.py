@@ -3,7 +3,7 @@
     python docs/gen_config_reference.py > /tmp/tables.md
 
 The tables are derived from the option declarations (core and plugins) and the Accelerate key
-table, so they cannot drift from the code; tests/test_docs.py checks the document against them.
+table, so they cannot drift from the code; tests/repository/test_docs.py checks the document against them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python docs/gen_layer_diagram.py             # print it
 
 The contract is the truth (lint-imports enforces it); the diagram shows it with each entry's one-line
-purpose, taken from the module's or package's docstring, so neither can drift. tests/test_layers.py
+purpose, taken from the module's or package's docstring, so neither can drift. tests/repository/test_layers.py
 checks that the document holds what this prints.
 """
 

@@ -3,7 +3,7 @@
 Top-level names are resolved lazily (PEP 562), so ``import torchrig`` costs almost nothing and
 ``torchrig --help`` never imports torch; a name is imported the first time it is used.
 
-What lives at the top level of the package (docs/architecture.md, "The top level"; tests/test_layers.py
+What lives at the top level of the package (docs/architecture.md, "The top level"; tests/repository/test_layers.py
 keeps it so), and nothing else:
 
 * **Concept packages**, each a noun a newcomer can name: ``accelerator`` (the user API and its parts),

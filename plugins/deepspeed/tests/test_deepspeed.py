@@ -514,7 +514,7 @@ def test_a_checkpoint_of_another_strategy_is_refused_naming_both_layouts(tmp_pat
 
 class _WritesDerivedState(torch.nn.Linear):
     """Writes a key into ``state_dict()`` that its load never reads back, derived from its weight — as
-    bitsandbytes' 4-bit layers write ``weight.absmax``/``quant_map`` (QLoRA; tests/test_peft_qlora.py)."""
+    bitsandbytes' 4-bit layers write ``weight.absmax``/``quant_map`` (QLoRA; tests/end_to_end/test_peft_qlora.py)."""
 
     def __init__(self, *args, derived: float = 1.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -3,7 +3,7 @@ parallel on two CUDA ranks over NCCL, each against a one-process reference of th
 
 Skipped without two CUDA devices (torch 2.13 has no CPU kernel for either: the CPU attention op has no
 sharding rule, and micro-pipeline TP uses CUDA symmetric memory). The CPU tier checks everything around them:
-tests/test_context_parallel.py, the cp layouts of test_mesh.py, and tests/test_parallelism_config.py.
+tests/accelerator/test_context_parallel.py, the cp layouts of test_mesh.py, and tests/config/test_parallelism.py.
 """
 
 from __future__ import annotations

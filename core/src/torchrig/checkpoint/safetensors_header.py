@@ -21,7 +21,7 @@ the library's ``SafeTensors::read_metadata`` and ``Metadata::validate`` (safeten
   last one ends exactly where the file does.
 
 Every refusal is a :class:`~torchrig.checkpoint.files.CheckpointError` naming the file and what is
-wrong. ``tests/test_checkpoint_safetensors_header.py`` compares the verdicts with the library's
+wrong. ``tests/checkpoint/test_safetensors_header.py`` compares the verdicts with the library's
 on generated and mutated headers (hypothesis).
 """
 

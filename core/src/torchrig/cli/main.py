@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Each subcommand's module is imported when that subcommand runs, not at the top: `torchrig --help`
-# must stay fast and torch-free (tests/test_accelerate_names.py), and a broken optional dependency of
+# must stay fast and torch-free (tests/compat/test_accelerate_names.py), and a broken optional dependency of
 # one subcommand must not break the others.
 def _run_plugins(args: argparse.Namespace) -> int:
     from torchrig.cli.plugins import run_plugins

@@ -1,12 +1,12 @@
 """The declared table: every public name of Accelerate's modules, and what torchrig does with it.
 
-Generated from Accelerate 1.15.0 itself (the released wheel): ``tests/data/gen_accelerate_names.py``
+Generated from Accelerate 1.15.0 itself (the released wheel): ``tests/compat/data/gen_accelerate_names.py``
 imports each module (``accelerate``, ``accelerate.utils`` and the ten mirrored modules ``state``,
 ``launchers``, ``data_loader``, ``optimizer``, ``scheduler``, ``tracking``, ``checkpointing``,
 ``local_sgd``, ``logging``, ``big_modeling``) and lists every name its ``dir()`` shows — names it
 imports from elsewhere too, since scripts import them from there — leaving out private names, modules
-and standard-library plumbing (the rule is written in the generator). ``tests/test_accelerate_names.py``
-checks that this table has exactly those names; ``tests/test_accelerate_namespaces.py`` that every
+and standard-library plumbing (the rule is written in the generator). ``tests/compat/test_accelerate_names.py``
+checks that this table has exactly those names; ``tests/compat/test_accelerate_namespaces.py`` that every
 mirrored module answers each of them.
 
 Keys are Accelerate's module paths; under ``torchrig`` the same path answers

@@ -1,6 +1,6 @@
 """Accelerate's file-name constants, with the values torchrig's checkpoints really use.
 
-``tests/test_accelerate_utils.py`` saves a checkpoint and finds these names in it, so code that
+``tests/compat/test_accelerate_names.py`` saves a checkpoint and finds these names in it, so code that
 builds paths from them (``os.path.join(ckpt, SAFE_WEIGHTS_NAME)``) reads torchrig's files.
 Torch-free.
 """

@@ -71,7 +71,7 @@ modules sit at different heights, and this ``__init__`` imports none of them whe
 ``import`` of them here would put the package in one layer (import-linter refuses a layer that contains
 others). The 0.1 names of ``torchrig.builtins.clusters`` (then one module) resolve lazily for one release,
 with a ``DeprecationWarning`` naming their new module (:data:`MOVED_NAMES`); nothing in the repository
-uses them (tests/test_cluster_moved_names.py), so import-linter still sees every real dependency.
+uses them (tests/compat/test_cluster_moved_names.py), so import-linter still sees every real dependency.
 docs/changelog.md lists where each name of the 0.1 modules ``torchrig.builtins.clusters``,
 ``torchrig.builtins.adopted`` and ``torchrig.builtins.handoff`` lives now. Nothing here imports torch.
 """
