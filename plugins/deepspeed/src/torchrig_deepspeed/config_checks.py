@@ -30,13 +30,12 @@ import warnings
 from collections.abc import KeysView, Mapping
 from typing import Any
 
-from torchrig.plugin import ConfigError, ConfigProblem, ResolvedConfig, suggest
+from torchrig.plugin import ConfigError, ConfigProblem, CoreOptions, ResolvedConfig, suggest
 
+from torchrig_deepspeed.constants import AUTO, DEFAULT_ZERO_STAGE, DS_KEY, SECTION
 from torchrig_deepspeed.ds_json import DeepSpeedJSON, load_deepspeed_json
+from torchrig_deepspeed.options import DeepSpeedPlugin
 
-SECTION = "deepspeed_config"
-DS_KEY = f"{SECTION}.hf_ds_config"
-AUTO = "auto"
 #: Read by ``deepspeed.initialize`` itself (mesh for sequence/data parallelism), not by the parser.
 INITIALIZE_KEYS = frozenset({"sequence_parallel_size", "data_parallel_size"})
 #: Keys every DeepSpeed release reads; if the recording misses one, the derivation failed.
@@ -296,28 +295,25 @@ def _enabled(block: Any) -> bool | None:
     return None
 
 
-def _explicit(config: ResolvedConfig, key: str) -> bool:
-    return config.is_set(key)
-
-
 def deepspeed_problems(config: ResolvedConfig) -> list[ConfigProblem]:
-    """Every problem of the DeepSpeed side of ``config`` (a resolved configuration)."""
+    """Every problem of the DeepSpeed side of ``config`` (a resolved configuration): its typed
+    section (:class:`DeepSpeedPlugin`) and the core's (:class:`CoreOptions`)."""
     problems: list[ConfigProblem] = []
+    options, core = config.section_of(DeepSpeedPlugin), config.section_of(CoreOptions)
     ds: DeepSpeedJSON | None = None
-    raw = config.get(DS_KEY)
-    if raw is not None:
+    if options.hf_ds_config is not None:
         try:
-            ds = load_deepspeed_json(raw)
+            ds = load_deepspeed_json(options.hf_ds_config)
         except ConfigError as exc:
             problems.extend(ConfigProblem(DS_KEY, p) for p in exc.problems)
     if ds is not None:
         problems.extend(_unknown_keys(ds))
-        problems.extend(_precision_problems(config, ds))
-        problems.extend(_batch_problems(config, ds))
-    problems.extend(_plugin_vs_json_problems(config, ds))
-    problems.extend(_engine_precision_problems(config))
-    if ds is None and _fp16_in_effect(config, None):
-        problems.extend(_fp16_on_cpu(config, None))
+        problems.extend(_precision_problems(core, ds))
+        problems.extend(_batch_problems(config, options, ds))
+    problems.extend(_plugin_vs_json_problems(config, options, ds))
+    problems.extend(_engine_precision_problems(core))
+    if ds is None and _fp16_in_effect(core, None):
+        problems.extend(_fp16_on_cpu(core, None))
     if ds is not None:
         problems.extend(ConfigProblem(DS_KEY, message, where) for message, where in deepspeed_own_problems(ds))
     return problems
@@ -338,9 +334,9 @@ def _unknown_keys(ds: DeepSpeedJSON) -> list[ConfigProblem]:
     return problems
 
 
-def _engine_precision_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
+def _engine_precision_problems(core: CoreOptions) -> list[ConfigProblem]:
     """The engine applies precision itself: only no, fp16 and bf16 (its fp16/bf16 blocks) exist."""
-    precision = config.get("mixed_precision")
+    precision = core.mixed_precision
     if precision in (None, "no", "fp16", "bf16"):
         return []
     return [ConfigProblem("mixed_precision", (
@@ -349,9 +345,9 @@ def _engine_precision_problems(config: Mapping[str, Any]) -> list[ConfigProblem]
         f"its weights and casts. Use the fsdp or ddp strategy for {precision}, or mixed_precision: bf16"))]
 
 
-def _precision_problems(config: Mapping[str, Any], ds: DeepSpeedJSON) -> list[ConfigProblem]:
+def _precision_problems(core: CoreOptions, ds: DeepSpeedJSON) -> list[ConfigProblem]:
     problems = []
-    precision = config.get("mixed_precision")
+    precision = core.mixed_precision
     bf16_key = "bf16" if "bf16" in ds.data or "bfloat16" not in ds.data else "bfloat16"
     fp16, bf16 = _enabled(ds.data.get("fp16")), _enabled(ds.data.get(bf16_key))
     if fp16 and bf16:
@@ -372,25 +368,25 @@ def _precision_problems(config: Mapping[str, Any], ds: DeepSpeedJSON) -> list[Co
             problems.append(ConfigProblem("mixed_precision", (
                 f"{precision} contradicts the DeepSpeed config, which disables {own_name} "
                 f"({ds.describe(own_name, 'enabled')}); set its enabled to true or \"auto\", or mixed_precision: no")))
-    if _fp16_in_effect(config, ds):
-        problems.extend(_fp16_on_cpu(config, ds))
+    if _fp16_in_effect(core, ds):
+        problems.extend(_fp16_on_cpu(core, ds))
     return problems
 
 
-def _fp16_in_effect(config: Mapping[str, Any], ds: DeepSpeedJSON | None) -> bool:
-    if config.get("mixed_precision") == "fp16":
+def _fp16_in_effect(core: CoreOptions, ds: DeepSpeedJSON | None) -> bool:
+    if core.mixed_precision == "fp16":
         return True
     return ds is not None and bool(_enabled(ds.data.get("fp16")))
 
 
-def _fp16_on_cpu(config: Mapping[str, Any], ds: DeepSpeedJSON | None) -> list[ConfigProblem]:
+def _fp16_on_cpu(core: CoreOptions, ds: DeepSpeedJSON | None) -> list[ConfigProblem]:
     """DeepSpeed's fp16 (loss-scaled fp16 optimizer) needs CUDA; its CPU accelerator refuses it."""
-    if config.get("mixed_precision") == "fp16":
+    if core.mixed_precision == "fp16":
         key, where = "mixed_precision", None
     else:
         key, where = DS_KEY, (ds.where("fp16") if ds is not None else None)
     fix = "use bf16 (mixed_precision: bf16) or fp32 on the CPU"
-    if config.get("use_cpu") or config.get("device") == "cpu":
+    if core.use_cpu or core.device == "cpu":
         return [ConfigProblem(key, f"DeepSpeed's fp16 needs a CUDA GPU, but this run uses the CPU (use_cpu/device); "
                                    f"{fix}", where)]
     if not _cuda_available():
@@ -405,18 +401,17 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _effective_accumulation(config: Mapping[str, Any]) -> tuple[int | None, str]:
+def _effective_accumulation(config: ResolvedConfig, options: DeepSpeedPlugin) -> tuple[int | None, str]:
     """The explicitly configured accumulation steps (plugin field, else the top-level key if a source
     set it) and the key it came from; ``(None, "")`` when only defaults say anything."""
-    plugin = config.get(f"{SECTION}.gradient_accumulation_steps")
-    if plugin is not None:
-        return plugin, f"{SECTION}.gradient_accumulation_steps"
-    if _explicit(config, "gradient_accumulation_steps"):
-        return config.get("gradient_accumulation_steps"), "gradient_accumulation_steps"
+    if options.gradient_accumulation_steps is not None:
+        return options.gradient_accumulation_steps, f"{SECTION}.gradient_accumulation_steps"
+    if config.is_set("gradient_accumulation_steps"):
+        return config.section_of(CoreOptions).gradient_accumulation_steps, "gradient_accumulation_steps"
     return None, ""
 
 
-def _batch_problems(config: Mapping[str, Any], ds: DeepSpeedJSON) -> list[ConfigProblem]:
+def _batch_problems(config: ResolvedConfig, options: DeepSpeedPlugin, ds: DeepSpeedJSON) -> list[ConfigProblem]:
     problems = []
     data = ds.data
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
@@ -428,14 +423,15 @@ def _batch_problems(config: Mapping[str, Any], ds: DeepSpeedJSON) -> list[Config
         return problems
     total, micro, steps = data.get("train_batch_size"), data.get("train_micro_batch_size_per_gpu"), \
         data.get("gradient_accumulation_steps")
-    explicit_steps, steps_key = _effective_accumulation(config)
+    explicit_steps, steps_key = _effective_accumulation(config, options)
+    core = config.section_of(CoreOptions)
     if _is_number(steps) and explicit_steps is not None and steps != explicit_steps:
         problems.append(ConfigProblem(steps_key, (
             f"{explicit_steps} disagrees with the DeepSpeed config's gradient_accumulation_steps = {steps} "
             f"({ds.describe('gradient_accumulation_steps')}); set one of them (or \"auto\" in the DeepSpeed config)")))
     if not _is_number(steps):
-        steps = explicit_steps if explicit_steps is not None else config.get("gradient_accumulation_steps") or 1
-    world = config.get("num_processes")
+        steps = explicit_steps if explicit_steps is not None else core.gradient_accumulation_steps or 1
+    world = core.num_processes
     if not (_is_number(total) and _is_number(world)):
         return problems
     if _is_number(micro):
@@ -458,13 +454,14 @@ def _zero_block(ds: DeepSpeedJSON | None) -> Mapping[str, Any]:
     return block if isinstance(block, Mapping) else {}
 
 
-def _plugin_vs_json_problems(config: Mapping[str, Any], ds: DeepSpeedJSON | None) -> list[ConfigProblem]:
+def _plugin_vs_json_problems(config: ResolvedConfig, options: DeepSpeedPlugin,
+                             ds: DeepSpeedJSON | None) -> list[ConfigProblem]:
     """A plugin field fills the JSON's ``"auto"`` or missing value; a contradiction is an error."""
     problems = []
     zero = _zero_block(ds)
-    plugin_steps = config.get(f"{SECTION}.gradient_accumulation_steps")
-    top_steps = config.get("gradient_accumulation_steps")
-    if plugin_steps is not None and _explicit(config, "gradient_accumulation_steps") and plugin_steps != top_steps:
+    plugin_steps = options.gradient_accumulation_steps
+    top_steps = config.section_of(CoreOptions).gradient_accumulation_steps
+    if plugin_steps is not None and config.is_set("gradient_accumulation_steps") and plugin_steps != top_steps:
         problems.append(ConfigProblem(f"{SECTION}.gradient_accumulation_steps", (
             f"{plugin_steps} disagrees with gradient_accumulation_steps = {top_steps}; set one of them")))
 
@@ -481,23 +478,23 @@ def _plugin_vs_json_problems(config: Mapping[str, Any], ds: DeepSpeedJSON | None
                 f"{plugin_value!r} disagrees with the DeepSpeed config's {ds.describe(*json_path)} = {json_value!r}; "
                 "set one of them (or \"auto\" in the DeepSpeed config)")))
 
-    stage = config.get(f"{SECTION}.zero_stage")
+    stage = options.zero_stage
     conflict("zero_stage", stage, zero.get("stage"), "zero_optimization", "stage")
     if ds is not None:
-        conflict("gradient_clipping", config.get(f"{SECTION}.gradient_clipping"), ds.data.get("gradient_clipping"),
+        conflict("gradient_clipping", options.gradient_clipping, ds.data.get("gradient_clipping"),
                  "gradient_clipping")
     json_stage = _as_number(zero.get("stage"))
-    effective_stage = stage if stage is not None else (json_stage if _is_number(json_stage) else 2)
+    effective_stage = stage if stage is not None else (json_stage if _is_number(json_stage) else DEFAULT_ZERO_STAGE)
     for kind, needs_stage3 in (("optimizer", False), ("param", True)):
         field = f"offload_{kind}_device"
         block = zero.get(f"offload_{kind}")
         block = block if isinstance(block, Mapping) else {}
-        plugin_device = config.get(f"{SECTION}.{field}")
+        plugin_device = getattr(options, field)
         json_device = block.get("device")
         conflict(field, plugin_device, json_device, "zero_optimization", f"offload_{kind}", "device")
         device = plugin_device or (json_device.strip().lower() if isinstance(json_device, str)
                                    and not _is_auto(json_device) else None)
-        path = config.get(f"{SECTION}.offload_{kind}_nvme_path") or (
+        path = getattr(options, f"offload_{kind}_nvme_path") or (
             block.get("nvme_path") if not _is_auto(block.get("nvme_path")) else None)
         if device == "nvme" and not path:
             problems.append(ConfigProblem(f"{SECTION}.{field}", (
@@ -507,7 +504,7 @@ def _plugin_vs_json_problems(config: Mapping[str, Any], ds: DeepSpeedJSON | None
             problems.append(ConfigProblem(f"{SECTION}.{field}", (
                 f"parameter offload ({device}) works only with ZeRO stage 3, but the stage is {effective_stage}; "
                 "DeepSpeed would ignore it. Set zero_stage: 3, or offload only the optimizer")))
-    if config.get(f"{SECTION}.zero3_init_flag") and _is_number(effective_stage) and effective_stage != 3:
+    if options.zero3_init_flag and _is_number(effective_stage) and effective_stage != 3:
         problems.append(ConfigProblem(f"{SECTION}.zero3_init_flag", (
             f"deepspeed.zero.Init partitions parameters for ZeRO stage 3, but the stage is {effective_stage}; set "
             "zero_stage: 3 or zero3_init_flag: false")))

@@ -45,12 +45,11 @@ from typing import Any
 import attrs
 from torchrig.plugin import ConfigError
 
-from torchrig_deepspeed.config_checks import AUTO, DS_KEY, load_deepspeed_json
+from torchrig_deepspeed.constants import AUTO, DEFAULT_ZERO_STAGE, DS_KEY
+from torchrig_deepspeed.ds_json import load_deepspeed_json
 from torchrig_deepspeed.options import DeepSpeedPlugin
 from torchrig_deepspeed.placeholders import DummyOptim, DummyScheduler
 
-#: Accelerate's default ZeRO stage when neither the plugin nor the JSON names one.
-DEFAULT_ZERO_STAGE = 2
 #: steps_per_print when the JSON sets none: DeepSpeed's progress lines would otherwise interleave
 #: with the script's output every 10 steps.
 QUIET_STEPS_PER_PRINT = 2**62
@@ -78,11 +77,11 @@ class EngineConfig:
     scheduler_callable: Callable[[Any], Any] | None = None
 
 
-def _block(config: dict[str, Any], key: str) -> dict[str, Any]:
-    value = config.get(key)
+def _block(ds_json: dict[str, Any], key: str) -> dict[str, Any]:
+    value = ds_json.get(key)
     if not isinstance(value, dict):
         value = {}
-        config[key] = value
+        ds_json[key] = value
     return value
 
 
@@ -111,13 +110,13 @@ def micro_batch_of(dataloaders: Sequence[Any], prefer_min: bool) -> int | None:
 
 
 def _hidden_size(model: Any) -> int | None:
-    config = getattr(model, "config", None)
-    if config is None:
+    model_config = getattr(model, "config", None)  # a Hugging Face model's
+    if model_config is None:
         return None
-    size = getattr(config, "hidden_size", None)
+    size = getattr(model_config, "hidden_size", None)
     if isinstance(size, int):
         return size
-    sizes = getattr(config, "hidden_sizes", None)
+    sizes = getattr(model_config, "hidden_sizes", None)
     if isinstance(sizes, (list, tuple)) and sizes and all(isinstance(s, int) for s in sizes):
         return max(sizes)
     return None
@@ -137,41 +136,41 @@ def engine_config(
 ) -> EngineConfig:
     """The filled DeepSpeed configuration for one model (and its optimizer/scheduler, or None)."""
     source = load_deepspeed_json(options.hf_ds_config).data if options.hf_ds_config is not None else {}
-    config: dict[str, Any] = copy.deepcopy(dict(source))
-    result = EngineConfig(config)
+    ds_json: dict[str, Any] = copy.deepcopy(dict(source))
+    result = EngineConfig(ds_json)
     problems: list[str] = []
 
     # -- batch arithmetic ------------------------------------------------------------------------
-    config["gradient_accumulation_steps"] = accumulation_steps
-    micro = config.get("train_micro_batch_size_per_gpu")
-    total = config.get("train_batch_size")
+    ds_json["gradient_accumulation_steps"] = accumulation_steps
+    micro = ds_json.get("train_micro_batch_size_per_gpu")
+    total = ds_json.get("train_batch_size")
     if micro is None or is_auto(micro):
         if micro_batch is not None:
-            config["train_micro_batch_size_per_gpu"] = micro_batch
+            ds_json["train_micro_batch_size_per_gpu"] = micro_batch
         elif isinstance(total, int) and not is_auto(total):
-            config.pop("train_micro_batch_size_per_gpu", None)  # DeepSpeed derives it from the total
+            ds_json.pop("train_micro_batch_size_per_gpu", None)  # DeepSpeed derives it from the total
         else:
-            config["train_micro_batch_size_per_gpu"] = 1
+            ds_json["train_micro_batch_size_per_gpu"] = 1
             result.micro_batch_pending = True
     if total is None or is_auto(total):
-        config["train_batch_size"] = config.get("train_micro_batch_size_per_gpu", 1) * accumulation_steps * world_size
+        ds_json["train_batch_size"] = ds_json.get("train_micro_batch_size_per_gpu", 1) * accumulation_steps * world_size
 
     # -- clipping ----------------------------------------------------------------------------------
-    clipping = config.get("gradient_clipping")
+    clipping = ds_json.get("gradient_clipping")
     if options.gradient_clipping is not None:
-        _fill(config, "gradient_clipping", float(options.gradient_clipping))
+        _fill(ds_json, "gradient_clipping", float(options.gradient_clipping))
     elif clipping is None or is_auto(clipping):
-        config.pop("gradient_clipping", None)
+        ds_json.pop("gradient_clipping", None)
         result.clipping_open = True
 
     # -- precision ----------------------------------------------------------------------------------
     for name, aliases in (("fp16", ("fp16",)), ("bf16", ("bf16", "bfloat16"))):
-        key = next((a for a in aliases if a in config), aliases[0])
+        key = next((a for a in aliases if a in ds_json), aliases[0])
         wanted = mixed_precision == name
-        block = config.get(key)
+        block = ds_json.get(key)
         if block is None:
             if wanted:
-                config[key] = {"enabled": True}
+                ds_json[key] = {"enabled": True}
             continue
         if isinstance(block, dict):
             if is_auto(block.get("enabled")):
@@ -181,7 +180,7 @@ def engine_config(
                     del block[sub]  # DeepSpeed's default for the loss-scale knobs
 
     # -- ZeRO ------------------------------------------------------------------------------------------
-    zero = _block(config, "zero_optimization")
+    zero = _block(ds_json, "zero_optimization")
     stage = options.zero_stage
     if stage is not None:
         _fill(zero, "stage", stage)
@@ -209,13 +208,13 @@ def engine_config(
                 del zero[key]  # DeepSpeed's default: the model declares no hidden size
 
     # -- defaults torchrig adds ----------------------------------------------------------------------------
-    config.setdefault("zero_allow_untested_optimizer", True)
-    config.setdefault("zero_force_ds_cpu_optimizer", bool(options.force_ds_cpu_optimizer))
-    config.setdefault("steps_per_print", QUIET_STEPS_PER_PRINT)
+    ds_json.setdefault("zero_allow_untested_optimizer", True)
+    ds_json.setdefault("zero_force_ds_cpu_optimizer", bool(options.force_ds_cpu_optimizer))
+    ds_json.setdefault("steps_per_print", QUIET_STEPS_PER_PRINT)
 
     # -- optimizer and scheduler blocks ---------------------------------------------------------------------
     hyper = _hyperparameters(optimizer)
-    block = config.get("optimizer")
+    block = ds_json.get("optimizer")
     if isinstance(block, dict):
         result.builds_optimizer = True
         params = block.get("params")
@@ -231,7 +230,7 @@ def engine_config(
         problems.append(
             f"{DS_KEY}: the script passed a DummyOptim, which stands for the optimizer of the DeepSpeed config's "
             "'optimizer' block, but the config has no 'optimizer' block; add one, or pass a torch optimizer")
-    block = config.get("scheduler")
+    block = ds_json.get("scheduler")
     dummy = scheduler if isinstance(scheduler, DummyScheduler) else None
     if isinstance(block, dict):
         result.builds_scheduler = True
@@ -272,7 +271,7 @@ def engine_config(
                 "DummyScheduler an lr_scheduler_callable, or pass a torch scheduler")
         result.scheduler_callable = dummy.lr_scheduler_callable
 
-    leftovers = sorted(_auto_paths(config))
+    leftovers = sorted(_auto_paths(ds_json))
     problems.extend(f"{DS_KEY}: {path!r} is \"auto\" but torchrig has no value to fill it with; set a value in the "
                     "DeepSpeed config" for path in leftovers)
     if problems:

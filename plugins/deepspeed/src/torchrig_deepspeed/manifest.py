@@ -6,17 +6,14 @@ to derive the keys it reads; see :mod:`torchrig_deepspeed.config_checks`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchrig.plugin import HOOK_API_VERSION, CliFlag, ConfigProblem, ConfigSection, PluginManifest, hookimpl
 
-if TYPE_CHECKING:
-    from torchrig.plugin import MemoryEstimate, MemoryRequest
+from torchrig_deepspeed.constants import OFFLOAD_DEVICES, SECTION
 
-SECTION = "deepspeed_config"
-#: Where ZeRO offloads optimizer state and parameters (``offload_*_device``).
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+if TYPE_CHECKING:
+    from torchrig.plugin import MemoryEstimate, MemoryRequest, ResolvedConfig
 
 
 class DeepSpeedManifest(PluginManifest):
@@ -68,9 +65,11 @@ class DeepSpeedManifest(PluginManifest):
         return deepspeed_estimate(request)
 
     @hookimpl
-    def torchrig_validate_config(self, config: Mapping[str, Any]) -> list[ConfigProblem]:
+    def torchrig_validate_config(self, config: ResolvedConfig) -> list[ConfigProblem]:
         """The DeepSpeed JSON against DeepSpeed's own key set and parser, and against torchrig's
-        configuration (precision, batch arithmetic, stage, offload), all problems at once."""
+        configuration (precision, batch arithmetic, stage, offload), all problems at once (imported
+        here: the checks read the typed section, so they import the options class, which a run
+        without deepspeed never loads — benchmark B12)."""
         from torchrig_deepspeed.config_checks import deepspeed_problems
 
         return deepspeed_problems(config)

@@ -21,8 +21,8 @@ from typing import Any
 import attrs
 from torchrig.plugin import at_least, between, class_names, option
 
+from torchrig_deepspeed.constants import OFFLOAD_DEVICES
 from torchrig_deepspeed.ds_json import load_deepspeed_json
-from torchrig_deepspeed.manifest import OFFLOAD_DEVICES
 
 #: The only ``deepspeed_multinode_launcher`` torchrig has: ``torchrig launch`` on each machine.
 STANDARD_LAUNCHER = "standard"
@@ -164,22 +164,22 @@ class DeepSpeedPlugin:
             if device not in (None, "none"):
                 zero[f"offload_{kind}"] = {"device": device, "nvme_path": getattr(self, f"offload_{kind}_nvme_path")}
         zero["stage3_gather_16bit_weights_on_model_save"] = self.zero3_save_16bit_model
-        config: dict[str, Any] = {
+        ds_json: dict[str, Any] = {
             "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": self.gradient_accumulation_steps or "auto",
             "zero_optimization": zero,
         }
         if self.gradient_clipping is not None:
-            config["gradient_clipping"] = self.gradient_clipping
-        return config
+            ds_json["gradient_clipping"] = self.gradient_clipping
+        return ds_json
 
-    def adopt_engine_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Make :attr:`deepspeed_config` show ``config`` (the first engine's, filled) and return
-        the shared dict, which the strategy keeps using so later corrections show too."""
+    def adopt_engine_config(self, engine_json: dict[str, Any]) -> dict[str, Any]:
+        """Make :attr:`deepspeed_config` show ``engine_json`` (the first engine's DeepSpeed JSON,
+        filled) and return the shared dict, which the strategy keeps using so later corrections show too."""
         shared = self.deepspeed_config
-        if shared is not config:
+        if shared is not engine_json:
             shared.clear()
-            shared.update(config)
+            shared.update(engine_json)
         return shared
 
 
