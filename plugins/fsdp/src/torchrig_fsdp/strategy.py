@@ -271,13 +271,14 @@ class FSDPStrategy:
 
     @hookimpl
     def torchrig_full_state_dict(self, run: RunContext, prepared: PreparedModel) -> dict[str, Any]:
-        config = fsdp_options(run).state_dict_config or {}
+        state_dict_config = fsdp_options(run).state_dict_config or {}  # torch's StateDictConfig arguments
+        rank0_only = state_dict_config.get("rank0_only", True)
         group = pipeline.pp_group(run.stash.get(MESH))
         if group is not None:  # each stage gathers its shards, then the stages are joined
             stage = fsdp_checkpoint.full_model_state(run, prepared.unwrapped, rank0_only=False, offload_to_cpu=True)
-            return pipeline.join_stages(stage, group, rank0_only=config.get("rank0_only", True))
-        return fsdp_checkpoint.full_model_state(run, prepared.unwrapped, rank0_only=config.get("rank0_only", True),
-                                                offload_to_cpu=config.get("offload_to_cpu", True))
+            return pipeline.join_stages(stage, group, rank0_only=rank0_only)
+        return fsdp_checkpoint.full_model_state(run, prepared.unwrapped, rank0_only=rank0_only,
+                                                offload_to_cpu=state_dict_config.get("offload_to_cpu", True))
 
 
 def mixed_precision_policy(run: RunContext, options: FullyShardedDataParallelPlugin) -> MixedPrecisionPolicy:
