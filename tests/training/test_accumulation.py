@@ -8,6 +8,7 @@ import contextlib
 import functools
 import gc
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ class EngineBuiltWithItsOwnCount:
 
 
 @pytest.fixture
-def engine_strategy(fake_modules, monkeypatch, tmp_path):
+def engine_strategy(fake_modules, monkeypatch, tmp_path) -> Iterator[None]:
     """Accelerators in this test see the installed plugins plus the ``declares-steps`` strategy."""
     for key in [k for k in os.environ if k.startswith("TORCHRIG_")]:
         monkeypatch.delenv(key)
@@ -60,6 +61,8 @@ def engine_strategy(fake_modules, monkeypatch, tmp_path):
     monkeypatch.setattr(accelerator_module, "PluginHost",
                         functools.partial(PluginHost, [*installed_distributions(), dist]))
     gc.collect()  # an earlier test's Accelerator must not hold the world for its strategy
+    yield
+    gc.collect()  # nor may this test's hold it for the next test's (tests/training/ runs test_compile_check.py next)
 
 
 def _prepared(**kwargs):
