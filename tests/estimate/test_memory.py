@@ -21,6 +21,7 @@ from torchrig.cli.main import main
 from torchrig.estimate.memory import MemoryRequest
 from torchrig.estimate.memory_model import SavedTensorCounter, build_on_meta, footprint, training_loss
 from torchrig.host.plugin_host import PluginHost
+from torchrig.testing import resolved_config
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.memory import bytes_held_since, live_storages
 
@@ -80,7 +81,7 @@ def estimate(name: str, strategy: str, world: int, config: dict | None = None, b
              precision: str = "no"):
     model = build_on_meta(FACTORIES[name], name)
     request = MemoryRequest(model=footprint(model, name, batch_size=batch, seq_len=seq), world_size=world,
-                            strategy=strategy, config=config or {}, precision=precision)
+                            strategy=strategy, config=resolved_config(config), precision=precision)
     return estimate_memory(PluginHost(), request)
 
 

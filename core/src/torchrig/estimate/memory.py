@@ -13,10 +13,13 @@ which under-reports training memory by 3-4x.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+if TYPE_CHECKING:  # the type only: estimating imports no configuration machinery
+    from torchrig.config.resolved import ResolvedConfig
 
 #: Bytes per element of the dtypes a footprint or a precision names.
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -110,7 +113,8 @@ class MemoryRequest:
     ``precision`` is the selected precision plugin's name (``no``, ``fp16``, ``bf16``);
     ``optimizer_bytes_per_element`` the optimizer's fp32 state per trainable element (AdamW: 8)
     and ``optimizer_bytes_per_tensor`` its per-tensor state (AdamW's ``step``: 4);
-    ``config`` the resolved configuration (a strategy reads its own section with dotted keys).
+    ``config`` the run's resolved configuration: a strategy reads its typed section,
+    ``request.config.section_of(TheirOptions)`` (tests build one with ``torchrig.testing.resolved_config``).
     """
 
     model: ModelFootprint
@@ -120,7 +124,7 @@ class MemoryRequest:
     precision: str = "no"
     optimizer_bytes_per_element: int = 8
     optimizer_bytes_per_tensor: int = 4
-    config: Mapping[str, Any] = attrs.field(factory=dict)
+    config: ResolvedConfig = attrs.field(kw_only=True)
 
     @property
     def compute_bytes(self) -> int:

@@ -15,28 +15,48 @@ hidden size) 5e8 elements, 2 GB in fp32 on every rank whatever the model's size 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from torchrig.plugin import MemoryComponent, MemoryEstimate, MemoryRequest, activation_component
 
-SECTION = "deepspeed_config"
+from torchrig_deepspeed.constants import DEFAULT_ZERO_STAGE
+from torchrig_deepspeed.ds_json import load_deepspeed_json
+from torchrig_deepspeed.options import DeepSpeedPlugin
+
 #: DeepSpeed's own defaults, used when neither the JSON nor the model's hidden size sets them.
 DEFAULT_REDUCE_BUCKET = 500_000_000
 DEFAULT_PERSISTENCE = 100_000
 
 
-def _zero_setting(request: MemoryRequest, key: str, from_hidden: int | None, default: int) -> int:
-    """A ``zero_optimization`` size from an inline DeepSpeed JSON, else ``auto``'s value from the
+def _number(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _zero_block(options: DeepSpeedPlugin) -> Mapping[str, Any]:
+    """The DeepSpeed JSON's ``zero_optimization`` block (inline, file or base64), or ``{}``."""
+    if options.hf_ds_config is None:
+        return {}
+    block = load_deepspeed_json(options.hf_ds_config).data.get("zero_optimization")
+    return block if isinstance(block, Mapping) else {}
+
+
+def _zero_setting(zero: Mapping[str, Any], key: str, from_hidden: int | None, default: int) -> int:
+    """A ``zero_optimization`` size from the DeepSpeed JSON, else ``auto``'s value from the
     model's hidden size (as torchrig fills it), else DeepSpeed's default."""
-    block = request.config.get(f"{SECTION}.hf_ds_config")
-    value = block.get("zero_optimization", {}).get(key) if isinstance(block, dict) else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(value)
+    value = _number(zero.get(key))
+    if value is not None:
+        return value
     return from_hidden if from_hidden is not None else default
 
 
 def deepspeed_estimate(request: MemoryRequest) -> MemoryEstimate:
     model, world = request.model, max(request.world_size, 1)
-    stage = request.config.get(f"{SECTION}.zero_stage")
-    stage = 2 if stage is None else int(stage)  # DeepSpeedPlugin's default when the JSON says "auto"
+    options = request.config.section_of(DeepSpeedPlugin)
+    zero = _zero_block(options)
+    # as the engine is built: zero_stage, else the JSON's stage, else Accelerate's default
+    stage = options.zero_stage if options.zero_stage is not None else _number(zero.get("stage"))
+    stage = DEFAULT_ZERO_STAGE if stage is None else stage
     half = request.precision in ("fp16", "bf16")
     width = request.compute_bytes if half else 4
     elements, trainable = model.numel, model.trainable_numel
@@ -46,12 +66,12 @@ def deepspeed_estimate(request: MemoryRequest) -> MemoryEstimate:
         return -(-count // world) if sharded else count
 
     hidden = model.hidden_size
-    persistence = _zero_setting(request, "stage3_param_persistence_threshold", 10 * hidden if hidden else None,
+    persistence = _zero_setting(zero, "stage3_param_persistence_threshold", 10 * hidden if hidden else None,
                                 DEFAULT_PERSISTENCE)
     persistent = sum(p.numel for p in model.parameters if p.numel < persistence) if stage == 3 else 0
 
-    optimizer_where = "cpu" if request.config.get(f"{SECTION}.offload_optimizer_device") in ("cpu", "nvme") else "device"
-    param_where = "cpu" if stage == 3 and request.config.get(f"{SECTION}.offload_param_device") in ("cpu", "nvme") else "device"
+    optimizer_where = "cpu" if options.offload_optimizer_device in ("cpu", "nvme") else "device"
+    param_where = "cpu" if stage == 3 and options.offload_param_device in ("cpu", "nvme") else "device"
     shard = f"sharded over {world}"
     components = [
         MemoryComponent("parameters", (part(elements - persistent, stage >= 3) + persistent) * width
@@ -69,7 +89,7 @@ def deepspeed_estimate(request: MemoryRequest) -> MemoryEstimate:
         components.append(MemoryComponent("master weights (fp32)", part(trainable, stage >= 1) * 4, optimizer_where,
                                           note=shard if stage >= 1 else "whole"))
     if stage == 3:
-        bucket = _zero_setting(request, "reduce_bucket_size", hidden * hidden if hidden else None, DEFAULT_REDUCE_BUCKET)
+        bucket = _zero_setting(zero, "reduce_bucket_size", hidden * hidden if hidden else None, DEFAULT_REDUCE_BUCKET)
         components.append(MemoryComponent("reduce bucket", bucket * width,
                                           note=f"reduce_bucket_size {bucket:,} elements, allocated up front"))
         if world > 1:

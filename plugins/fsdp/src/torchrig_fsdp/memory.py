@@ -18,7 +18,7 @@ from torchrig.plugin import (
     sharded_elements,
 )
 
-SECTION = "fsdp_config"
+from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
 
 def fsdp_estimate(request: MemoryRequest) -> MemoryEstimate:
@@ -27,10 +27,8 @@ def fsdp_estimate(request: MemoryRequest) -> MemoryEstimate:
     shard_bytes = sum(p.shard_numel(world) * p.nbytes // max(p.numel, 1) for p in model.parameters)
     grad_bytes = sum(p.shard_numel(world) * p.nbytes // max(p.numel, 1) for p in trainable)
     compute = request.compute_bytes
-    reshard = request.config.get(f"{SECTION}.reshard_after_forward")
-    if reshard is None:
-        reshard = request.config.get(f"{SECTION}.sharding_strategy") not in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2",
-                                                                             "NO_SHARD")
+    options = request.config.section_of(FullyShardedDataParallelPlugin)
+    reshard = options.resolved_reshard_after_forward
     gathered = model.unit_parameters if reshard else model.numel
     components = [
         MemoryComponent("parameters", shard_bytes + model.buffer_bytes, note=f"sharded over {world} (dim 0, padded)"),
@@ -46,7 +44,7 @@ def fsdp_estimate(request: MemoryRequest) -> MemoryEstimate:
         components.append(MemoryComponent("unsharded gradients", model.unit_parameters * compute,
                                           note="one unit's gradient before its reduce-scatter"))
     activations, act_notes = activation_component(request)
-    if request.config.get(f"{SECTION}.activation_checkpointing") and activations:
+    if options.activation_checkpointing and activations:
         act_notes.append("activation_checkpointing is on: activations are an upper bound (only block inputs are kept)")
     if request.precision != "no":
         notes.append(f"{request.precision}: sharded parameters stay fp32 (the master weights); "
