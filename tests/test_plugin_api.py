@@ -115,23 +115,56 @@ def test_new_plugin_templates_import_only_the_plugin_api_and_read_typed_sections
     assert not offences, offences
 
 
+#: A hook's configuration in plugin code: ``run.config`` (runtime hooks), the ``config`` argument of
+#: ``torchrig_validate_config`` and ``request.config`` (memory estimates), all a ResolvedConfig. A
+#: plain dict that is data (DeepSpeed's JSON) is named for what it holds (``ds_json``), not ``config``.
+_RUN_CONFIG = re.compile(r"^(config|.*\brun\.config|.*\brequest\.config)$")
+_TYPED_READ = {"run": "read run.section(YourOptions).<field>",
+               "hook": "read config.section_of(YourOptions).<field> (config.is_set(key): did a source set it)"}
+
+
+def _config_read_hint(target: str) -> str | None:
+    """What to read instead when ``target`` (source text) is a run's configuration, else None."""
+    if not _RUN_CONFIG.match(target):
+        return None
+    return _TYPED_READ["run" if target.endswith("run.config") else "hook"]
+
+
 def _other_config_idioms(tree: ast.AST) -> list[tuple[int, str]]:
-    """Reading configuration any other way than ``run.section(Options)``: ``run.option(...)``,
-    ``run.config[...]``/``run.config.get(...)``, and ``getattr(..., "is_set", ...)`` probes."""
+    """Reading configuration any other way than its typed section: ``run.option(...)``, a dotted-key
+    read of a ResolvedConfig (``run.config[...]``, ``config.get(...)`` in a validation hook,
+    ``request.config.get(...)`` in a memory estimate, or ``get = config.get``), and
+    ``getattr(..., "is_set", ...)`` probes."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             target = ast.unparse(node.func.value)
             if node.func.attr == "option" and target.split(".")[-1] == "run":
                 found.append((node.lineno, f"{ast.unparse(node)} — read run.section(YourOptions).<field>"))
-            elif node.func.attr == "get" and target.endswith("run.config"):
-                found.append((node.lineno, f"{ast.unparse(node)} — read run.section(YourOptions).<field>"))
-        elif isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("run.config"):
-            found.append((node.lineno, f"{ast.unparse(node)} — read run.section(YourOptions).<field>"))
+        if isinstance(node, ast.Attribute) and node.attr == "get":
+            hint = _config_read_hint(ast.unparse(node.value))
+            if hint:
+                found.append((node.lineno, f"{ast.unparse(node)}(...) — {hint}"))
+        elif isinstance(node, ast.Subscript):
+            hint = _config_read_hint(ast.unparse(node.value))
+            if hint:
+                found.append((node.lineno, f"{ast.unparse(node)} — {hint}"))
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
                 and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "is_set"):
             found.append((node.lineno, f"{ast.unparse(node)} — run.config is a ResolvedConfig: call .is_set(key)"))
     return found
+
+
+def test_the_configuration_check_sees_dotted_reads_in_validation_and_memory_hooks() -> None:
+    """What the hooks that receive a ResolvedConfig must not do, and what stays allowed: the typed
+    section, ``is_set``, and dict reads of data that is not the run's configuration."""
+    source = ("def torchrig_validate_config(config):\n    a = config.get('x.y', 1)\n    b = config['x.z']\n"
+              "    get = config.get\n"
+              "def estimate(request):\n    return request.config.get('ddp_config.gradient_as_bucket_view')\n"
+              "def fine(config, request, ds_json, record):\n    options = config.section_of(Options)\n"
+              "    return (config.is_set('x.y'), request.config.section_of(Options).z, ds_json.get('fp16'),\n"
+              "            ds_json['zero_optimization'], record.built.config)\n")
+    assert sorted(line for line, _ in _other_config_idioms(ast.parse(source))) == [2, 3, 4, 6]
 
 
 def test_plugin_sources_read_configuration_through_typed_sections() -> None:
