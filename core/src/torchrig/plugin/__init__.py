@@ -1,7 +1,7 @@
 """torchrig's public plugin API: everything a plugin author imports, from one place.
 
 ``from torchrig.plugin import hookimpl, PluginManifest, RunContext, ...`` — a plugin (first-party or
-third-party) imports torchrig only through this module (tests/test_plugin_api.py enforces it for
+third-party) imports torchrig only through this module (tests/plugin/test_api.py enforces it for
 ``plugins/*/src`` and ``examples/localsgd/src``); ``torchrig.testing`` is the kit for a plugin's
 *tests*. Every name below is documented in docs/plugins.md ("The plugin API") and follows the
 hook-API version (:data:`HOOK_API_VERSION`); whatever else lives in the core's modules is internal

@@ -17,7 +17,7 @@ import pytest
 import torchrig.plugin
 from torchrig.cli.new_plugin import render
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PLUGIN_SOURCES = sorted([*ROOT.glob("plugins/*/src"), ROOT / "examples" / "localsgd" / "src"])
 API_MODULE = "torchrig.plugin"
 
