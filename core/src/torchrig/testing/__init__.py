@@ -25,6 +25,10 @@ Everything a plugin distribution needs to prove itself without installing anythi
   :func:`assert_modules_converted`;
 * :class:`ProcessGuard`, :func:`leftover_processes`, :func:`spawn_in_new_session` — assert that a
   test leaves no process behind.
+* tiny models tests share, one name for one network, imported from their modules:
+  :mod:`torchrig.testing.models` (pure torch), :mod:`torchrig.testing.hf_models` (transformers),
+  :mod:`torchrig.testing.peft_lora` (the LoRA workload); :func:`torchrig.testing.scripts.load_script`
+  imports a script by path instead of putting its folder on ``sys.path``.
 
 The pytest plugin (:mod:`torchrig.testing.pytest_plugin`: fixtures ``gloo_pool``,
 ``process_guard``, ``fake_modules``; markers ``multiprocess``, ``gpu``, ``slow``) is opt-in: ``-p
