@@ -9,7 +9,6 @@ import pytest
 import torch
 from fp8_models import ProbedLM, batches, lm_loss
 from torchrig.testing.contracts import rank_environment
-from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -17,10 +16,10 @@ TIMEOUT = 240
 STEPS = 12
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with checked_pool(2, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool(gloo_pool):
+    """The session's 2-rank pool: started once for every module that needs 2 ranks."""
+    return gloo_pool
 
 
 def _train(ctx, recipe: str = "tensorwise", all_gather=None):

@@ -11,7 +11,6 @@ import torch
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.effects import assert_compiled, count_compilation
 from torchrig.testing.models import CompileStack
-from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,10 +18,10 @@ TIMEOUT = 180
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with checked_pool(2, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool(gloo_pool):
+    """The session's 2-rank pool: started once for every module that needs 2 ranks."""
+    return gloo_pool
 
 
 def _train(ctx, regional: bool, bypass: bool = False):

@@ -101,12 +101,10 @@ def test_lora_under_fsdp2_save_state_load_state_resumes_bit_for_bit(gloo_pool, t
 # -- FSDP2 x TP (2 x 2, four ranks) ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    from torchrig.testing.pool import checked_pool
-
-    with checked_pool(4, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool4(gloo_pool4):
+    """The session's 4-rank pool: started once for every module that needs 4 ranks."""
+    return gloo_pool4
 
 
 def _train_fsdp2_x_tp(ctx, plan_for_adapters: bool):

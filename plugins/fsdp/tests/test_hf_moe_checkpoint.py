@@ -17,7 +17,6 @@ import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.hf_models import SEQ, VOCAB, build
-from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -91,10 +90,10 @@ def _inexact(loaded: dict, saved: dict, what: str) -> list[str]:
     return failures
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with checked_pool(4, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool(gloo_pool4):
+    """The session's 4-rank pool: started once for every module that needs 4 ranks."""
+    return gloo_pool4
 
 
 @pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])

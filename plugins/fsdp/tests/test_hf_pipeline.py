@@ -17,7 +17,6 @@ import transformers
 from torchrig.errors import ConfigError
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.hf_models import SEQ, build, make_data
-from torchrig.testing.pool import checked_pool
 from torchrig_fsdp import pp_plan
 from torchrig_fsdp.pipeline import build_rank
 
@@ -116,10 +115,10 @@ def test_a_model_without_a_pp_plan_still_needs_a_split():
 # -- training on 2 gloo ranks -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    with checked_pool(2, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool2(gloo_pool):
+    """The session's 2-rank pool: started once for every module that needs 2 ranks."""
+    return gloo_pool
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -228,12 +227,11 @@ def test_a_transformers_llama_trains_under_pp2_from_its_own_plan_like_one_proces
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("parallelism", "dp_size"), [({"pp_size": 2, "tp_size": 2}, 1),
                                                       ({"pp_size": 2, "dp_shard_size": 2}, 2)])
-def test_pp2_with_tp2_or_fsdp2_from_the_models_own_plans_like_one_process(parallelism, dp_size):
+def test_pp2_with_tp2_or_fsdp2_from_the_models_own_plans_like_one_process(gloo_pool4, parallelism, dp_size):
     """4 ranks: the model's own pipeline plan with its own tensor-parallel plan (the other stage's
     ``lm_head``/``embed_tokens`` are no modules there, so the plan's entries for them match nothing), or
     with FSDP2 over each stage."""
-    with checked_pool(4, env={"OMP_NUM_THREADS": "1"}) as pool4:
-        results = pool4.run(_train_pp, parallelism, dp_size, timeout=TIMEOUT)
+    results = gloo_pool4.run(_train_pp, parallelism, dp_size, timeout=TIMEOUT)
     assert all(result["sharded"] for result in results)
     _check(results, dp_size)
 

@@ -21,7 +21,6 @@ import transformers
 from torchrig.errors import ConfigError
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.hf_models import FAMILIES, build, build_rare, make_data
-from torchrig.testing.pool import checked_pool
 from torchrig_fsdp import hf_styles, tp_styles
 from torchrig_fsdp.mesh import model_plan, resolve_plan
 
@@ -107,16 +106,16 @@ def test_head_counts_must_divide_tp_size_naming_the_config_field():
 # -- training on gloo ranks against one process -------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    with checked_pool(2, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool2(gloo_pool):
+    """The session's 2-rank pool: started once for every module that needs 2 ranks."""
+    return gloo_pool
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    with checked_pool(4, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool4(gloo_pool4):
+    """The session's 4-rank pool: started once for every module that needs 4 ranks."""
+    return gloo_pool4
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ from torchrig.errors import ConfigError
 from torchrig.testing import make_host
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.hf_models import build, make_data
-from torchrig.testing.pool import checked_pool
 from torchrig_fsdp import hf_style_names, hf_styles
 from torchrig_fsdp.manifest import FSDPManifest
 
@@ -111,10 +110,10 @@ def test_the_launcher_refuses_an_unknown_style_before_starting_anything(tmp_path
 # -- training on 2 gloo ranks -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    with checked_pool(2, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool2(gloo_pool):
+    """The session's 2-rank pool: started once for every module that needs 2 ranks."""
+    return gloo_pool
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

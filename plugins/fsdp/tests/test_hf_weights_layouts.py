@@ -23,7 +23,6 @@ import torch
 import transformers
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.hf_models import build
-from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,10 +36,10 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    with checked_pool(4, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool4(gloo_pool4):
+    """The session's 4-rank pool: started once for every module that needs 4 ranks."""
+    return gloo_pool4
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

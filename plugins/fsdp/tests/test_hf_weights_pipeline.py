@@ -17,17 +17,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.models import PipeLM, lm_loss
-from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
 
 TIMEOUT = 180
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    with checked_pool(2, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool2(gloo_pool):
+    """The session's 2-rank pool: started once for every module that needs 2 ranks."""
+    return gloo_pool
 
 
 def _stage_in_and_out(ctx, root: str) -> dict:

@@ -3,7 +3,7 @@ TP + sequence parallel + loss parallel, HSDP — each compared with a one-proces
 data and seed (losses, and every parameter after training, gathered with ``full_tensor()``), with gradient
 clipping and accumulation 2; and one real ``torchrig launch --num_processes 4`` from a config file.
 
-Four ranks on two cores: one module-wide pool, tiny model, few steps; each task has a hard timeout.
+Four ranks on two cores: the session's 4-rank pool, tiny model, few steps; each task has a hard timeout.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.models import TP_PLAN, TP_SP_PLAN, TinyLM, lm_data
-from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -26,10 +25,10 @@ VOCAB, DIM, HEADS, SEQ, PER_RANK = 32, 32, 4, 8, 2
 STEPS, ACCUMULATION = 2, 2
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with checked_pool(4, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool(gloo_pool4):
+    """The session's 4-rank pool: started once for every module that needs 4 ranks."""
+    return gloo_pool4
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ process to and from the mesh, refusals naming both layouts, ``save_model`` from 
 init under TP and FSDP2 x TP, and one real ``torchrig launch`` saving under one config file and resuming
 under another.
 
-Four ranks on two cores: one module-wide pool, tiny model, one optimizer step per layout; every task has a
+Four ranks on two cores: the session's 4-rank pool, tiny model, one optimizer step per layout; every task has a
 hard timeout.
 """
 
@@ -21,7 +21,6 @@ import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.models import TP_PLAN, TinyLM, lm_data
-from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,10 +39,10 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with checked_pool(4, env={"OMP_NUM_THREADS": "1"}) as workers:
-        yield workers
+@pytest.fixture
+def pool(gloo_pool4):
+    """The session's 4-rank pool: started once for every module that needs 4 ranks."""
+    return gloo_pool4
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ of every step, the clipped norm, the forward-only loss, every parameter after tr
 clipping and accumulation 2; refusals; pipeline checkpoints resumed in one process; gather_for_metrics; and
 one real ``torchrig launch --num_processes 4`` from a config file.
 
-Two and four ranks on two cores: one pool at a time, tiny model, few steps; each task has a hard timeout.
+One, two and four ranks on two cores: the session's pools (idle ranks cost memory, not CPU), tiny model, few steps;
+each task has a hard timeout.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.models import PipeLM, lm_data, lm_loss
+from torchrig.testing.pool import checked_pool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,35 +29,17 @@ PER_RANK, STEPS, ACCUMULATION, CLIP = 4, 2, 2, 0.5
 SPLIT = ["layers.2"]
 
 
-_pools: dict[int, object] = {}
-
-
 @pytest.fixture(scope="module")
-def pools():
-    """``pools(n)``: a pool of ``n`` ranks; asking for another size closes the previous one (one at a time)."""
-    from torchrig.testing.pool import WorkerPool
-    from torchrig.testing.processes import leftover_processes
+def one_rank_pool():
+    with checked_pool(1) as pool:
+        yield pool
 
-    started: list[int] = []
 
-    def get(size: int):
-        if size not in _pools:
-            for other in list(_pools):
-                pool = _pools.pop(other)
-                pool.close()
-                started.extend(pool.started_pids)
-            _pools[size] = WorkerPool(world_size=size, env={"OMP_NUM_THREADS": "1"})
-        return _pools[size]
-
-    try:
-        yield get
-    finally:
-        for size in list(_pools):
-            pool = _pools.pop(size)
-            pool.close()
-            started.extend(pool.started_pids)
-        left = leftover_processes(sorted(started))
-        assert not left, f"the pipeline pools left processes behind: {left}"
+@pytest.fixture
+def pools(one_rank_pool, gloo_pool, gloo_pool4):
+    """``pools(n)``: a pool of ``n`` ranks — the session's 2- and 4-rank pools, this module's 1-rank one. Each
+    starts on its first task and stays up: switching sizes used to close one and start the other (~5-9 s each)."""
+    return {1: one_rank_pool, 2: gloo_pool, 4: gloo_pool4}.__getitem__
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -306,11 +290,9 @@ def test_gather_for_metrics_counts_every_sample_once_across_pipeline_stages(pool
 SCRIPT = os.path.join(os.path.dirname(__file__), "launch_scripts", "pipe_train.py")
 
 
-def test_launch_four_cpu_processes_with_pipeline_x_fsdp_from_a_config_file(pools, tmp_path):
+def test_launch_four_cpu_processes_with_pipeline_x_fsdp_from_a_config_file(tmp_path):
     from safetensors.torch import load_file
 
-    for size in list(_pools):  # no pool beside the launch: two cores
-        _pools.pop(size).close()
     out = tmp_path / "out"
     out.mkdir()
     config = tmp_path / "pipeline.yaml"

@@ -5,6 +5,10 @@ Fixtures:
 * ``fake_modules`` — :class:`~torchrig.testing.fakes.FakeModules`, cleaned up after the test;
 * ``gloo_pool`` — a session-wide 2-rank :class:`~torchrig.testing.pool.WorkerPool`; at the end
   of the session it is closed and no worker may survive;
+* ``gloo_pool4`` — the same with 4 ranks (N-D meshes: FSDP x TP, HSDP, pipelines): one start per
+  session instead of one per test module (each start pays ``import torch`` in four processes, ~6-9 s
+  on 2 cores). Idle ranks cost memory only. A module that needs fresh interpreters (a
+  warnings-once check) keeps its own pool;
 * ``process_guard`` — a :class:`~torchrig.testing.processes.ProcessGuard`; the test fails if a
   process it tracked is still alive at teardown.
 
@@ -31,7 +35,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 #: Fixtures that start processes: a test using one belongs to the multiprocess tier.
-MULTIPROCESS_FIXTURES = frozenset({"gloo_pool", "process_guard"})
+MULTIPROCESS_FIXTURES = frozenset({"gloo_pool", "gloo_pool4", "process_guard"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -65,6 +69,15 @@ def gloo_pool() -> Iterator[Any]:
     from torchrig.testing.pool import checked_pool
 
     with checked_pool(2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def gloo_pool4() -> Iterator[Any]:
+    """A 4-rank gloo pool shared by the whole session; no worker may outlive it."""
+    from torchrig.testing.pool import checked_pool
+
+    with checked_pool(4) as pool:
         yield pool
 
 
