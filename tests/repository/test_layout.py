@@ -7,6 +7,7 @@ imported, never reached by patching ``sys.path``, and the tiny models tests shar
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,9 +29,10 @@ TEST_FOLDERS = [ROOT / "tests", *sorted((ROOT / "plugins").glob("*/tests")), *so
 SHARED_MODELS = ("TinyTransformer", "TinyLM", "PipeLM", "CompileStack")
 
 
-def python_files() -> Iterator[Path]:
-    for folder in TEST_FOLDERS:
-        yield from sorted(folder.rglob("*.py"))
+@functools.cache
+def parsed_files() -> tuple[tuple[Path, ast.Module], ...]:
+    """Every Python file of the test folders, parsed once for both checks below."""
+    return tuple((path, ast.parse(path.read_text())) for folder in TEST_FOLDERS for path in sorted(folder.rglob("*.py")))
 
 
 def module_level_statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
@@ -49,8 +51,8 @@ def changes_sys_path(node: ast.stmt) -> bool:
 
 def test_no_test_module_patches_sys_path_when_imported():
     patched = [f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
-               for path in python_files()
-               for node in module_level_statements(ast.parse(path.read_text()).body) if changes_sys_path(node)]
+               for path, tree in parsed_files()
+               for node in module_level_statements(tree.body) if changes_sys_path(node)]
     assert not patched, (
         "test modules that change sys.path when imported (every later import of the run sees the folder): "
         f"{patched}; import a shared helper from torchrig.testing (models, hf_models, peft_lora), a plugin's own "
@@ -59,8 +61,8 @@ def test_no_test_module_patches_sys_path_when_imported():
 
 def test_the_shared_tiny_models_are_defined_only_in_the_test_kit():
     redefined = [f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name}"
-                 for path in python_files()
-                 for node in ast.walk(ast.parse(path.read_text()))
+                 for path, tree in parsed_files()
+                 for node in ast.walk(tree)
                  if isinstance(node, ast.ClassDef) and node.name in SHARED_MODELS]
     assert not redefined, (f"classes named after a model of torchrig.testing.models, defined again: {redefined}; "
                            "import it (`from torchrig.testing.models import ...`), or give a different network a "
