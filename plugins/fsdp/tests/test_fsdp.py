@@ -605,9 +605,10 @@ def test_a_ddp_run_never_imports_the_fsdp_runtime():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT,
                             env={**os.environ, "TORCHRIG_CONFIG_HOME": "/nonexistent-torchrig-home"})
     assert result.returncode == 0, result.stderr
-    # The manifest only (describing the plugin, with the torch-free style names it declares): not its options (by
-    # reference) nor its runtime.
-    assert result.stdout.strip() in ("[]", "['torchrig_fsdp', 'torchrig_fsdp.hf_style_names', 'torchrig_fsdp.manifest']")
+    # The manifest only (describing the plugin, with the torch-free names and style names it declares): not its
+    # options (by reference) nor its runtime.
+    assert result.stdout.strip() in ("[]", "['torchrig_fsdp', 'torchrig_fsdp.constants', 'torchrig_fsdp.hf_style_names', "
+                                           "'torchrig_fsdp.manifest']")
 
 
 # -- through the Accelerator: save_state / load_state (the core's commit protocol) and save_model --
