@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from torchrig.testing.scripts import load_script
 
 EXAMPLES = Path(__file__).parent / "accelerate_examples"
 RUN_TIMEOUT = 150  # seconds one run may take before the test gives up (a 2-rank run takes ~6-15 s here)
@@ -367,9 +368,9 @@ CV_EPOCH_LINE = re.compile(r"^epoch (\d+): (\d+\.\d\d)$")
 def test_cv_examples_train_on_pet_images_read_from_disk(script, processes, tmp_path, process_guard):
     """The CV examples read ``<label>_<n>.jpg`` files from ``--data_dir`` (real JPEGs written here), split them
     80/20 and fine-tune the classifier head; the complete one also saves a checkpoint per epoch."""
-    from accelerate_examples.offline import write_pet_images
-
-    images = write_pet_images(tmp_path / "pets")
+    # the examples' own offline helper (a script beside them, not a package): loaded by path
+    offline = load_script(EXAMPLES / "offline.py", "accelerate_examples_offline")
+    images = offline.write_pet_images(tmp_path / "pets")
     args = ["--cpu", "--data_dir", str(tmp_path / "pets")]
     if script == "complete_cv_example.py":
         args += ["--checkpointing_steps", "epoch", "--output_dir", "ckpt"]
