@@ -249,6 +249,16 @@ def test_task_destroying_the_process_group_gets_a_fresh_one(pool: WorkerPool) ->
     assert pool.run(all_reduce_sum, 1.0, timeout=T) == [3.0, 3.0]
 
 
+def test_stop_ends_the_workers_and_the_next_run_starts_new_ones(pool: WorkerPool) -> None:
+    """What the session pools do between test modules: old ranks (and the gloo groups they piled up) leave."""
+    pool.run(all_reduce_sum, 1.0, timeout=T)
+    before = pool.started_pids
+    pool.stop()
+    assert pool.pids == [] and leftover_processes(before) == []
+    assert pool.run(all_reduce_sum, 1.0, timeout=T) == [3.0, 3.0]
+    assert set(pool.pids).isdisjoint(before)
+
+
 def test_close_leaves_no_process_behind() -> None:
     pool = WorkerPool(world_size=2, env={"TORCHRIG_POOL_TEST": "yes"})
     with pool:

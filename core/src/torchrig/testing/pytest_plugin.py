@@ -62,6 +62,10 @@ def fake_modules() -> Iterator[FakeModules]:
     modules.cleanup()
 
 
+#: The session pools that exist, so the module boundary below can stop their workers without creating them.
+_SESSION_POOLS: dict[int, Any] = {}
+
+
 @pytest.fixture(scope="session")
 def gloo_pool() -> Iterator[Any]:
     """A 2-rank gloo pool shared by the whole session; no worker may outlive it."""
@@ -69,7 +73,9 @@ def gloo_pool() -> Iterator[Any]:
     from torchrig.testing.pool import checked_pool
 
     with checked_pool(2) as pool:
+        _SESSION_POOLS[2] = pool
         yield pool
+        _SESSION_POOLS.pop(2, None)
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +84,20 @@ def gloo_pool4() -> Iterator[Any]:
     from torchrig.testing.pool import checked_pool
 
     with checked_pool(4) as pool:
+        _SESSION_POOLS[4] = pool
         yield pool
+        _SESSION_POOLS.pop(4, None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session_pools_start_afresh_in_each_module() -> Iterator[None]:
+    """After each test module, the session pools' workers leave (the next module's first task starts new
+    ones): the process groups a module's meshes left behind would otherwise pile up in long-lived ranks
+    (:meth:`~torchrig.testing.pool.WorkerPool.stop`). Within a module, a pool of each size stays up."""
+    yield
+    for pool in list(_SESSION_POOLS.values()):
+        if not pool.closed:
+            pool.stop()
 
 
 @pytest.fixture
