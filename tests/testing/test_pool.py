@@ -259,6 +259,17 @@ def test_stop_ends_the_workers_and_the_next_run_starts_new_ones(pool: WorkerPool
     assert set(pool.pids).isdisjoint(before)
 
 
+def test_a_task_from_a_module_off_sys_path_is_loaded_from_its_file(pool: WorkerPool, tmp_path) -> None:
+    """pytest's --import-mode=importlib imports test modules without their folder on sys.path: the ranks load
+    the task's module from its file under the same name."""
+    from torchrig.testing.scripts import load_script
+
+    script = tmp_path / "off_path_task_module.py"
+    script.write_text("def rank_twice(ctx):\n    return 2 * ctx.rank\n")
+    module = load_script(script)
+    assert pool.run(module.rank_twice, timeout=T) == [0, 2]
+
+
 def test_close_leaves_no_process_behind() -> None:
     pool = WorkerPool(world_size=2, env={"TORCHRIG_POOL_TEST": "yes"})
     with pool:

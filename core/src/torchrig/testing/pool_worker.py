@@ -14,7 +14,6 @@ import ctypes
 import datetime
 import faulthandler
 import importlib
-import importlib.util
 import multiprocessing.connection
 import os
 import pickle
@@ -25,6 +24,8 @@ import traceback
 from typing import Any
 
 import attrs
+
+from torchrig.testing.scripts import load_script
 
 __all__ = ["WorkerContext", "WorkerSpec", "send_message", "worker_main"]
 
@@ -96,16 +97,7 @@ def _import_task_module(name: str | None, path: str | None) -> None:
     except ImportError:
         if not path:
             raise
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load task module {name!r} from {path!r}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
+    load_script(path, name)
 
 
 def _error_reply(
