@@ -24,6 +24,13 @@ class ConfigError(TorchrigError, ValueError):
         super().__init__(message)
 
 
+class PlanningUnsupported(TorchrigError):
+    """Raised by a strategy's ``torchrig_prepare_model`` in a planned run (``run.planning``) when it
+    cannot lay a model out on the meta device (its engine needs real storage); ``torchrig plan``
+    then reports the strategy's ``torchrig_estimate_memory`` answer for that run instead, saying so.
+    The message says what the strategy could not plan."""
+
+
 class NoEffectWarning(UserWarning):
     """An option was set that nothing in this run uses (a GradScaler's options without a GradScaler):
     said rather than ignored, since refusing it would break scripts that set it for every precision."""
@@ -55,6 +62,7 @@ class PluginDisabledError(PluginError):
 
 __all__ = [
     "ConfigError",
+    "PlanningUnsupported",
     "PluginAPIVersionError",
     "PluginConflictError",
     "PluginDisabledError",

@@ -32,7 +32,7 @@ class TrainingDefaults:
         self, run: RunContext, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any], device_placement: bool
     ) -> PreparedModel:
         assert run.device is not None
-        if device_placement:
+        if device_placement and not run.planning:  # a planned run's model stays on the meta device
             model.to(run.device.device)
         return PreparedModel(model=model, unwrapped=model, optimizers=list(optimizers), schedulers=list(schedulers))
 

@@ -67,6 +67,10 @@ class AdoptedGroup:
     world_size: int
 
 
+#: The backend of torch's fake process group (nothing is communicated): a run that finds it plans
+#: (``RunContext.planning``; :mod:`torchrig.estimate.fake_world` opens it).
+FAKE_BACKEND = "fake"
+
 #: ``run.stash[ADOPTED_GROUP]``: set when the run adopted an existing group.
 ADOPTED_GROUP: StashKey[AdoptedGroup] = StashKey("core.adopted_group")
 
@@ -119,6 +123,8 @@ def adopt_existing_group(run: RunContext) -> AdoptedGroup | None:
             problems.append(f"init_process_group_kwargs.backend={configured!r} "
                             f"({_source(run, 'init_process_group_kwargs.backend') or 'configuration'}), "
                             f"but the existing process group's backend is {backend!r}")
+    elif FAKE_BACKEND in backends:  # torch's fake group, which `torchrig plan` opens for any device
+        run.planning = True
     elif run.device is not None and world_size > 1 and run.device.dist_backend not in backends:
         problems.append(f"the device {run.device.name!r} needs backend {run.device.dist_backend!r}, "
                         f"but the existing process group's backend is {backend!r}")
@@ -180,5 +186,5 @@ def _runnable(tasks: str, tid: str) -> bool:
     return stat[stat.rindex(")") + 2:].startswith("R")
 
 
-__all__ = ["ADOPTED_GROUP", "AdoptedGroup", "adopt_existing_group", "group_backends", "record_group",
+__all__ = ["ADOPTED_GROUP", "FAKE_BACKEND", "AdoptedGroup", "adopt_existing_group", "group_backends", "record_group",
            "release_groups_at_exit", "settle_threads"]

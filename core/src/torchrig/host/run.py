@@ -49,6 +49,11 @@ class RunContext:
     stash: Stash = attrs.field(factory=Stash)
     #: True once ``torchrig_unconfigure`` was called for this run (it is called once).
     ended: bool = False
+    #: True when this process plans the run (``torchrig plan``): the process group is torch's fake
+    #: one and the model lives on the meta device. Strategies lay the model out exactly as in the
+    #: real run (same mesh, plans, wrapping, stages, errors) but move, materialise, load or
+    #: broadcast nothing (see ``torchrig_prepare_model``).
+    planning: bool = False
 
     def section(self, options: type[T]) -> T:
         """A configuration section as its typed options object, found by class — the one way plugins

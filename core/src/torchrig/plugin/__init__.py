@@ -75,6 +75,7 @@ _API: dict[str, str] = {
     "load_config_text": "torchrig.config.loader:load_text",
     # errors
     "ConfigError": "torchrig.errors",
+    "PlanningUnsupported": "torchrig.errors",
     "TorchrigError": "torchrig.errors",
     # trackers
     "Tracker": "torchrig.plugin.tracker",

@@ -314,8 +314,20 @@ def torchrig_prepare_model(
       identity); ``schedulers`` — the user's schedulers whose optimizer is among those;
       ``device_placement`` — False when the user asked not to move the model.
     - return: :class:`~torchrig.plugin.types.PreparedModel`.
+    - planning (``run.planning``, ``torchrig plan``): the process group is torch's fake one (one
+      process plays one rank of the target world; collectives return at once) and ``model`` is on
+      the meta device. Lay it out exactly as the real run would — the same mesh, plans, wrapping,
+      pipeline stages, and the same errors — but move, materialise, load or broadcast nothing: the
+      plan then gives the parameters fake storage and runs one step under ``FakeTensorMode``,
+      recording every collective the wrapped model issues. A strategy whose engine cannot hold a
+      meta-device model raises :class:`~torchrig.errors.PlanningUnsupported`, and the plan reports
+      its ``torchrig_estimate_memory`` answer instead.
+    - checked against: FSDP2 and the N-D mesh (``fully_shard``/``parallelize_module``/pipeline
+      split on meta parameters, as torchtitan initialises; materialisation skipped when planning),
+      DDP (its C++ reducer needs storage: when planning, a stand-in issues the reducer's bucketed
+      all-reduces), DeepSpeed (``deepspeed.initialize`` needs storage: ``PlanningUnsupported``).
     - default: move the module to ``run.device`` (unless ``device_placement`` is False);
-      optimizers and schedulers unchanged.
+      optimizers and schedulers unchanged; when planning, nothing moves.
     """
 
 

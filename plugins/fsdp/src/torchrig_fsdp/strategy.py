@@ -400,7 +400,10 @@ def _materialize(model: torch.nn.Module, options: FullyShardedDataParallelPlugin
                  device: torch.device, run: RunContext) -> None:
     """Meta-device parameters get storage after sharding (each rank only its shard); then either
     rank 0's weights are broadcast into them (``cpu_ram_efficient_loading``) or each module that
-    had meta tensors is initialised on rank 0 and sharded out (:mod:`torchrig_fsdp.materialize`)."""
+    had meta tensors is initialised on rank 0 and sharded out (:mod:`torchrig_fsdp.materialize`).
+    A planned run (``run.planning``) keeps its shards on the meta device: nothing exists to load."""
+    if run.planning:
+        return
     modules = meta_modules(model)
     if modules:
         model.to_empty(device=device)
