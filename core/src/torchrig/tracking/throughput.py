@@ -46,20 +46,7 @@ import attrs
 import torch
 from torch import nn
 
-#: Dense peak FLOP/s of one device, by GPU and precision (vendor datasheets; ``fp32`` is the
-#: CUDA-core rate, ``tf32`` the tensor-core one).
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "h200": {"fp8": 1978.9e12, "bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
-    "h100-sxm": {"fp8": 1978.9e12, "bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
-    "h100-nvl": {"fp8": 1670.5e12, "bf16": 835.2e12, "fp16": 835.2e12, "tf32": 417.6e12, "fp32": 60.0e12},
-    "h100-pcie": {"fp8": 1513.0e12, "bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378.0e12, "fp32": 51.2e12},
-    "b200": {"fp8": 4500e12, "bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 80e12},
-    "a100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-    "l40s": {"fp8": 733e12, "bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183e12, "fp32": 91.6e12},
-    "l4": {"fp8": 242.5e12, "bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
-    "a10g": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 31.2e12},
-    "v100": {"fp16": 125e12, "fp32": 15.7e12},
-}
+from torchrig.estimate.hardware import PEAK_FLOPS  # the table lives with the plan's GPU specs; re-exported here
 
 
 def gpu_table_key(device_name: str) -> str | None:
@@ -67,7 +54,7 @@ def gpu_table_key(device_name: str) -> str | None:
     words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
     if "h100" in words:
         return "h100-pcie" if "pcie" in words else "h100-nvl" if "nvl" in words else "h100-sxm"
-    for key in ("h200", "b200", "a100", "l40s", "l4", "a10g", "v100"):
+    for key in ("h200", "b200", "a100", "l40s", "l4", "a10g", "v100", "mi300x"):
         if key in words:
             return key
     return None
