@@ -12,7 +12,9 @@ from torchrig.estimate import step_time
 from torchrig.estimate.costs import CollectiveRecord, CollectiveSummary, OpCost
 from torchrig.estimate.hardware import gpu_spec, interconnect
 from torchrig.estimate.step_time import OverlapAssumptions, Pipeline, axes_spanning_nodes, estimate_step_time
+from torchrig.testing.scripts import load_script
 
+ROOT = Path(__file__).resolve().parents[2]
 H100 = gpu_spec("h100-sxm")  # bf16 989.4 TFLOP/s, HBM 3.35 TB/s, NVLink 450 GB/s each way
 IB = interconnect("ib-ndr-400")  # 50 GB/s per GPU each way
 BASE, NVLINK_HOP, NET_HOP = 8.4e-6, 3.4e-6, 9.6e-6  # NCCL's ring/simple latencies
@@ -173,3 +175,24 @@ def test_the_module_is_torch_free():
                 for alias in node.names}
     imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "torch" not in imported
+
+
+def test_the_published_reference_tables_in_the_docs_are_what_the_script_computes():
+    """docs/plan.md's predicted-vs-published tables come from benchmarks/plan_reference.py (analytic inputs
+    through this roofline); a change to the roofline or the tables that is not carried to the page fails."""
+    reference = load_script(ROOT / "benchmarks" / "plan_reference.py")
+    text = (ROOT / "docs" / "plan.md").read_text()
+    assert reference.published_table() in text and reference.comparison_table() in text, (
+        "docs/plan.md's 'Published reference runs' tables are stale: paste `python benchmarks/plan_reference.py`")
+    # the analytic model's own arithmetic: Llama-3.1-8B's 8.03B parameters, torchtitan's FLOPs per token
+    assert reference.LLAMA_8B.params == pytest.approx(8.03e9, rel=1e-3)
+    assert reference.LLAMA_70B.params == pytest.approx(70.55e9, rel=1e-3)
+    fsdp_8b = reference.RUNS[0]
+    gathered = sum(r.payload_bytes for r in reference.analytic_collectives(fsdp_8b) if r.kind == "all_gather")
+    scattered = sum(r.payload_bytes for r in reference.analytic_collectives(fsdp_8b) if r.kind == "reduce_scatter")
+    assert gathered == pytest.approx(2 * 2 * reference.LLAMA_8B.params, rel=1e-6)  # 2x the parameters in bf16
+    assert scattered == pytest.approx(4 * reference.LLAMA_8B.params, rel=1e-6)  # 1x in fp32
+    # T3 computed MFU with 6·N over all parameters: that reproduces its published 58.2%
+    a100_8b = next(run for run in reference.RUNS if run.gpu == "a100-80gb" and run.model is reference.LLAMA_8B)
+    all_params_flops = 6 * reference.LLAMA_8B.params + 12 * 32 * 4096 * 8192
+    assert a100_8b.published_tps * all_params_flops / 312e12 == pytest.approx(a100_8b.published_mfu, abs=5e-4)
