@@ -192,6 +192,8 @@ def test_the_published_reference_tables_in_the_docs_are_what_the_script_computes
     scattered = sum(r.payload_bytes for r in reference.analytic_collectives(fsdp_8b) if r.kind == "reduce_scatter")
     assert gathered == pytest.approx(2 * 2 * reference.LLAMA_8B.params, rel=1e-6)  # 2x the parameters in bf16
     assert scattered == pytest.approx(4 * reference.LLAMA_8B.params, rel=1e-6)  # 1x in fp32
+    # the rough eager elementwise count: 144·d bytes per token, block and forward
+    assert reference.eager_elementwise_bytes_per_token(reference.LLAMA_8B) == 32 * 144 * 4096
     # T3 computed MFU with 6·N over all parameters: that reproduces its published 58.2%
     a100_8b = next(run for run in reference.RUNS if run.gpu == "a100-80gb" and run.model is reference.LLAMA_8B)
     all_params_flops = 6 * reference.LLAMA_8B.params + 12 * 32 * 4096 * 8192
