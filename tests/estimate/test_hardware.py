@@ -31,7 +31,8 @@ def test_datasheet_figures_of_the_h100_sxm():
     assert h100.peak_flops_for("fp8") == pytest.approx(2 * 989.4e12, rel=1e-3)
     assert h100.hbm_bytes_per_s == pytest.approx(3.35e12)
     assert h100.link_bytes_per_s == pytest.approx(450e9)  # NVLink 4: 900 GB/s both ways
-    assert h100.memory_bytes == 80 * 10 ** 9
+    # marketed "80GB" is binary: torch reports 79.2 GiB total on an H100 80GB (the rest is reserved)
+    assert h100.memory_bytes == 80 * 2 ** 30
 
 
 @pytest.mark.parametrize("alias, name", [("h100", "h100-sxm"), ("H100", "h100-sxm"), ("H100_SXM", "h100-sxm"),

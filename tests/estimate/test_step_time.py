@@ -126,6 +126,17 @@ def test_tokens_per_second_and_mfu():
     assert estimate([compute]).tokens_per_s is None and estimate([compute]).mfu is None
 
 
+def test_the_mfu_precision_is_a_peak_column_and_mixed_precision_values_map_onto_one():
+    assert [step_time.peak_precision(value) for value in ("bf16", "fp16", "fp8", "no")] == ["bf16", "fp16", "fp8",
+                                                                                           "fp32"]
+    assert step_time.peak_precision("no", tf32=True) == "tf32"
+    with pytest.raises(ValueError, match=r"unknown mixed_precision 'fp4'; known: bf16, fp16, fp8, no"):
+        step_time.peak_precision("fp4")
+    with pytest.raises(ValueError, match=r"precision 'no' is not a peak column \(fp8, bf16, fp16, tf32, fp32\); "
+                                         r"map a mixed_precision value with peak_precision\(\)"):
+        estimate(precision="no")
+
+
 def test_the_assumptions_are_stated():
     lines = estimate(pipeline=Pipeline(4, 8)).describe_assumptions()
     text = "\n".join(lines)

@@ -5,8 +5,9 @@ the throughput monitor's MFU (:mod:`torchrig.tracking.throughput`) divide by.
 Torch-free: ``torchrig plan`` and the CLI read these tables without importing torch. Every figure is a
 vendor datasheet's (the source is beside each entry): dense peaks (no 2:4 sparsity), HBM bandwidth,
 and the intra-node link's bandwidth *per GPU per direction* (NVLink's datasheet figure is both
-directions together, e.g. H100 SXM 900 GB/s = 450 GB/s each way). Datasheets state decimal units
-(1 GB/s = 1e9 B/s, 1 TFLOP/s = 1e12); memory sizes are the marketed GB as bytes.
+directions together, e.g. H100 SXM 900 GB/s = 450 GB/s each way). Rates are decimal, as datasheets
+state them (1 GB/s = 1e9 B/s, 1 TFLOP/s = 1e12); memory sizes are binary: a marketed "80GB" is 80 GiB of
+which torch reports 79.2 GiB on an H100 (the driver reserves the rest).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import attrs
 PRECISIONS = ("fp8", "bf16", "fp16", "tf32", "fp32")
 
 GB = 10 ** 9
+GIB = 2 ** 30
 TERA = 1e12
 
 # Per-hop latency of one ring step, NCCL's own cost model (NVIDIA/nccl src/graph/tuning.cc, hwLat for
@@ -65,7 +67,7 @@ def _peaks(fp8: float | None, bf16: float | None, fp16: float, tf32: float | Non
 
 def _gpu(name: str, memory_gb: float, peaks: dict[str, float], hbm_gb_s: float, link_gb_s: float, link_name: str,
          hop_s: float, source: str) -> GpuSpec:
-    return GpuSpec(name=name, memory_bytes=int(memory_gb * GB), peak_flops=peaks, hbm_bytes_per_s=hbm_gb_s * GB,
+    return GpuSpec(name=name, memory_bytes=int(memory_gb * GIB), peak_flops=peaks, hbm_bytes_per_s=hbm_gb_s * GB,
                    link_bytes_per_s=link_gb_s * GB, link_name=link_name, link_hop_latency_s=hop_s, source=source)
 
 

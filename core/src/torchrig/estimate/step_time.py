@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from torchrig.estimate.costs import CollectiveRecord, CollectiveSummary, OpCost
-from torchrig.estimate.hardware import COLLECTIVE_BASE_S, GpuSpec, Interconnect
+from torchrig.estimate.hardware import COLLECTIVE_BASE_S, PRECISIONS, GpuSpec, Interconnect
 
 #: The precision column a recorded operator dtype computes in (``float32`` maps to ``fp32`` or, when
 #: the run allows TF32 matmuls, ``tf32``).
@@ -215,6 +215,19 @@ class StepTimeEstimate:
                 "collectives": [c.as_dict() for c in self.collectives], "assumptions": list(self.assumptions)}
 
 
+#: The peak column a run's ``mixed_precision`` is measured against (fp8 runs: the fp8 column; torchtitan and
+#: benchmarks/bench_fp8.py also quote them against bf16).
+MIXED_PRECISION_PEAKS = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "no": "fp32"}
+
+
+def peak_precision(mixed_precision: str, tf32: bool = False) -> str:
+    """The peak column for a ``mixed_precision`` value (``no`` → fp32, or tf32 when the run allows TF32)."""
+    if mixed_precision not in MIXED_PRECISION_PEAKS:
+        raise ValueError(f"unknown mixed_precision {mixed_precision!r}; known: {', '.join(MIXED_PRECISION_PEAKS)}")
+    column = MIXED_PRECISION_PEAKS[mixed_precision]
+    return "tf32" if column == "fp32" and tf32 else column
+
+
 def op_precision(dtype: str, tf32: bool = False) -> str:
     """The peak-table column an operator of ``dtype`` computes in."""
     name = dtype.removeprefix("torch.")
@@ -278,6 +291,9 @@ def estimate_step_time(*, ops: Iterable[OpCost], collectives: Iterable[Collectiv
     are this rank's (÷ the ranks that share a batch), for tokens/s per GPU and MFU."""
     assumptions = assumptions or OverlapAssumptions()
     pipeline = pipeline or Pipeline()
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not a peak column ({', '.join(PRECISIONS)}); map a "
+                         "mixed_precision value with peak_precision()")
     peak = gpu.peak_flops_for(precision)
     flops_bound = memory_bound = 0.0
     for op in ops:
@@ -362,6 +378,6 @@ def _describe(gpu: GpuSpec, interconnect: Interconnect, precision: str, peak: fl
     return lines
 
 
-__all__ = ["DATA_AXES", "DTYPE_PRECISIONS", "PHASES", "PIPELINE_SCHEDULES", "CollectiveTime", "OverlapAssumptions", "Pipeline",
-           "StepTimeEstimate", "axes_spanning_nodes", "collective_seconds", "estimate_step_time", "op_precision",
-           "op_seconds"]
+__all__ = ["DATA_AXES", "DTYPE_PRECISIONS", "MIXED_PRECISION_PEAKS", "PHASES", "PIPELINE_SCHEDULES", "CollectiveTime",
+           "OverlapAssumptions", "Pipeline", "StepTimeEstimate", "axes_spanning_nodes", "collective_seconds",
+           "estimate_step_time", "op_precision", "op_seconds", "peak_precision"]
