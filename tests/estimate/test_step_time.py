@@ -176,6 +176,12 @@ def test_errors_name_the_axis_the_operator_and_the_gpu():
         estimate_step_time(ops=[fp8], collectives=[], gpu=gpu_spec("a100"), interconnect=IB, axes_across_nodes={})
     with pytest.raises(ValueError, match=r"GPU 'v100' has no 'bf16'"):
         estimate_step_time(ops=[], collectives=[], gpu=gpu_spec("v100"), interconnect=IB, axes_across_nodes={})
+    unknown_phase = CollectiveRecord("all_gather", "tp", 2, 2, 1, phase="warmup")
+    with pytest.raises(ValueError, match=r"collective 'all_gather' on axis 'tp' has phase 'warmup'; known: forward, "):
+        estimate(collectives=[unknown_phase])
+    unknown_kind = CollectiveSummary(kind="allgather", axis="tp", group_size=2, count=1, payload_bytes=2, wire_bytes=1)
+    with pytest.raises(ValueError, match=r"collective kind 'allgather' on axis 'tp' is unknown; known: all_gather, "):
+        estimate(collectives=[unknown_kind])
     with pytest.raises(ValueError, match=r"OverlapAssumptions.matmul_efficiency must be in \(0, 1\], got 1.5"):
         OverlapAssumptions(matmul_efficiency=1.5)
 

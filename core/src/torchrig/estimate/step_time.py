@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from torchrig.estimate.costs import CollectiveRecord, CollectiveSummary, OpCost
+from torchrig.estimate.costs import COLLECTIVE_KINDS, CollectiveRecord, CollectiveSummary, OpCost
 from torchrig.estimate.hardware import COLLECTIVE_BASE_S, PRECISIONS, GpuSpec, Interconnect
 
 #: The precision column a recorded operator dtype computes in (``float32`` maps to ``fp32`` or, when
@@ -260,22 +260,29 @@ def collective_seconds(kind: str, group_size: int, count: int, wire_bytes: float
     return latency + wire_bytes / bandwidth
 
 
+def _grouping_order(key: tuple[str, str, str, int]) -> tuple[str, str, int, int]:
+    """Axis, kind, then the phases in step order: the first unhidden collective is the earliest."""
+    axis, kind, phase, size = key
+    return axis, kind, PHASES.index(phase), size
+
+
 def _grouped(collectives: Iterable[CollectiveRecord | CollectiveSummary]) -> list[tuple[str, str, str, int, int, int]]:
-    """(axis, kind, phase, group size, count, wire bytes) per distinct collective; summaries carry no
-    phase (``"other"``)."""
+    """(axis, kind, phase, group size, count, wire bytes) per distinct collective, in step order; summaries
+    carry no phase (``"other"``). An unknown kind or phase is an error naming it."""
     totals: dict[tuple[str, str, str, int], list[int]] = {}
     for item in collectives:
         phase = item.phase if isinstance(item, CollectiveRecord) else "other"
+        if item.kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"collective kind {item.kind!r} on axis {item.axis!r} is unknown; known: "
+                             f"{', '.join(COLLECTIVE_KINDS)}")
+        if phase not in PHASES:
+            raise ValueError(f"collective {item.kind!r} on axis {item.axis!r} has phase {phase!r}; known: "
+                             f"{', '.join(PHASES)}")
         count = item.count if isinstance(item, CollectiveSummary) else 1
         entry = totals.setdefault((item.axis, item.kind, phase, item.group_size), [0, 0])
         entry[0] += count
         entry[1] += item.wire_bytes
-    order = {phase: i for i, phase in enumerate(PHASES)}
-    return [(axis, kind, phase, size, count, wire)
-            for (axis, kind, phase, size), (count, wire) in sorted(totals.items(),
-                                                                   key=lambda item: (item[0][0], item[0][1],
-                                                                                     order.get(item[0][2], len(order)),
-                                                                                     item[0][2], item[0][3]))]
+    return [(*key, *totals[key]) for key in sorted(totals, key=_grouping_order)]
 
 
 def estimate_step_time(*, ops: Iterable[OpCost], collectives: Iterable[CollectiveRecord | CollectiveSummary],
