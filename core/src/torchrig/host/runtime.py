@@ -195,7 +195,8 @@ def claim_world(run: RunContext) -> None:
     runs = _WORLD_RUNS.setdefault(key, weakref.WeakSet())
     strategy = run.config.get("strategy")
     for other in list(runs):
-        if other.config.get("strategy") != strategy:
+        # an ended run no longer drives the group (and a destroyed group's id may be reused)
+        if not other.ended and other.config.get("strategy") != strategy:
             raise RuntimeError(
                 f"this process already runs an Accelerator with strategy {other.config.get('strategy')!r}; a second one "
                 f"with strategy {strategy!r} would share its process group. Use the same strategy, or end the first "

@@ -20,6 +20,7 @@ forward is compiled with it).
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -27,8 +28,6 @@ from typing import Any, NamedTuple
 
 import attrs
 import torch
-from torch._dynamo.callback import callback_handler
-from torch._dynamo.utils import counters
 
 #: Optimizer steps the hooks watch before the verdict (the default of ``dynamo_config.check_after_steps``).
 CHECK_AFTER_STEPS = 2
@@ -52,6 +51,8 @@ class DynamoCounters(NamedTuple):
 
 def dynamo_counters() -> DynamoCounters:
     """The counters now; subtract two readings for what happened in between."""
+    from torch._dynamo.utils import counters  # dynamo costs ~1 s to import: only once something compiles
+
     return DynamoCounters(counters["frames"]["total"], counters["frames"]["ok"], counters["stats"]["unique_graphs"],
                           sum(counters["graph_break"].values()))
 
@@ -80,8 +81,12 @@ class ModuleCompileStats:
 
 
 def compiled_modules(model: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Module]:
-    """Every ``torch.compile`` wrapper in ``model`` (itself included), by qualified name."""
+    """Every ``torch.compile`` wrapper in ``model`` (itself included), by qualified name. None
+    while dynamo is not loaded: ``torch.compile`` loads it, so nothing was compiled (and a process
+    that compiles nothing never pays dynamo's ~1 s import)."""
     found: dict[str, torch.nn.Module] = {}
+    if "torch._dynamo" not in sys.modules:
+        return found
     for name, module in model.named_modules(prefix=prefix, remove_duplicate=True):
         if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
             found[name] = module
@@ -187,7 +192,7 @@ class CompileVerifier:
                               "break(s); TORCH_LOGS=graph_breaks shows where", RuntimeWarning, stacklevel=3)
         self._pending.clear()
         self._end_callback = _count_recompiles(weakref.ref(self))
-        callback_handler.register_end_callback(self._end_callback)
+        _callback_handler().register_end_callback(self._end_callback)
         self._on_done()
 
     def _recompiled(self) -> None:
@@ -201,7 +206,7 @@ class CompileVerifier:
     def close(self) -> None:
         """Stop counting recompilations (the callback is process-wide)."""
         if self._end_callback is not None:
-            callback_handler.remove_end_callback(self._end_callback)
+            _callback_handler().remove_end_callback(self._end_callback)
             self._end_callback = None
 
     def report(self) -> dict[str, Any]:
@@ -223,6 +228,14 @@ def _why_not_compiled(stats: ModuleCompileStats) -> str:
                 "TORCH_COMPILE_DISABLE, torch._dynamo.config.disable or torch.compiler.disable; or dynamo skipped "
                 "the frame)")
     return ""
+
+
+def _callback_handler() -> Any:
+    """Dynamo's process-wide compile callbacks; reached only after a verdict on compiled modules,
+    so dynamo is loaded by then."""
+    from torch._dynamo.callback import callback_handler
+
+    return callback_handler
 
 
 def _count_recompiles(verifier: weakref.ref) -> Callable[..., None]:
