@@ -1,6 +1,6 @@
 """Repository-wide test policy: the fast tier never starts a process.
 
-``-m "not multiprocess and not slow and not packaging"`` is the tier a developer runs after every
+``-m "not multiprocess and not slow and not packaging and not scale"`` is the tier a developer runs after every
 edit (README, "Run one test / one tier"); it stays fast only if every test that starts a process
 says so. A test without the ``multiprocess`` marker (given by hand, or by asking for the
 ``gloo_pool``/``process_guard`` fixtures) that starts one — ``subprocess``, ``os.fork``,

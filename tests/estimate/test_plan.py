@@ -7,11 +7,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 import yaml
-
 from torchrig.estimate.fake_world import FakeWorldError, fake_world
 from torchrig.estimate.plan import PlanInputs, PlanTarget, plan_run, representative_ranks
 from torchrig.testing import hf_models
-
 
 
 def _plan(tmp_path, parallelism, *, world=16, layers=2, batch_size=1, family="llama", **config):

@@ -14,7 +14,7 @@ Fixtures:
 
 Tests marked ``gpu`` are skipped cleanly when no CUDA device is present. A test that uses
 ``gloo_pool`` or ``process_guard`` is marked ``multiprocess`` by the fixture it asks for, so the
-fast tier (``-m "not multiprocess and not slow and not packaging"``) never starts processes
+fast tier (``-m "not multiprocess and not slow and not packaging and not scale"``) never starts processes
 whether or not its author remembered the marker.
 """
 
