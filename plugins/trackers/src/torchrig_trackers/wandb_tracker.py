@@ -49,7 +49,9 @@ class WandBTracker(Tracker):
         kwargs.setdefault("project", self.run_name)
         if self.logging_dir:
             os.makedirs(self.logging_dir, exist_ok=True)
-            kwargs.setdefault("dir", self.logging_dir)
+            # absolute: wandb's service process resolves a relative dir against its own working
+            # directory, which is another process's when the service was started elsewhere
+            kwargs.setdefault("dir", os.path.abspath(self.logging_dir))
         if _version(wandb.__version__) >= (0, 19, 10):
             kwargs.setdefault("reinit", "create_new")  # our own run, not another Accelerator's
         self.run = wandb.init(**kwargs)
