@@ -61,8 +61,12 @@ def _prepared(layout: str, *, on_meta: bool) -> tuple[torch.nn.Module, Any]:
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(Block(), Block()))
         record_ddp(model)
         return model, None
-    mesh = (init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp")) if layout == "fsdp_tp"
-            else init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    if layout == "fsdp_tp":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    elif layout == "hsdp":  # fully_shard on a 2-D mesh: replicate over the first axis, shard over the second
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     with torch.device("meta" if on_meta else "cpu"):
         model = torch.nn.Sequential(Block(), Block())
     for block in model:
@@ -155,6 +159,36 @@ def test_flops_of_a_linear_stack_are_six_n_tokens() -> None:
         ("mm", 3, "float32", (8 * 32 + 32 * 32 + 8 * 32) * FLOAT)]
 
 
+def test_identical_layers_fold_into_the_same_operator_records() -> None:
+    def recorded(layers: int) -> StepRecorder:
+        with torch.device("meta"):
+            model = torch.nn.Sequential(*[Block() for _ in range(layers)])
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            with StepRecorder() as recorder:
+                model(torch.randn(4, 16, HIDDEN)).sum().backward()
+        return recorder
+
+    two, twelve = recorded(2), recorded(12)
+    assert len(twelve.op_costs()) == len(two.op_costs())
+    assert twelve.flops_by_phase()["forward"] == 6 * two.flops_by_phase()["forward"]
+
+
+def test_a_phase_that_is_none_of_the_four_is_refused_by_name() -> None:
+    recorder = StepRecorder()
+    with pytest.raises(ValueError, match="'warmup' is not one of forward, backward, optimizer, other"):
+        recorder.phase = "warmup"
+    recorder.phase = "other"
+    with recorder:
+        torch.ones(2) + 1
+    assert list(recorder.flops_by_phase()) == ["other"]
+
+
+def test_record_ddp_refuses_a_model_that_is_not_ddp() -> None:
+    with pytest.raises(TypeError, match="record_ddp needs a DistributedDataParallel model, got Linear"):
+        record_ddp(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------------ (c) memory
 
 
@@ -177,7 +211,13 @@ def test_memory_categories_are_the_local_shards(fake_world4: None) -> None:
 
 # ------------------------------------------------------------------------ (d) real vs fake
 
-LAYOUTS = ("fsdp", "fsdp_tp", "ddp")
+LAYOUTS = ("fsdp", "fsdp_tp", "hsdp", "ddp")
+EXPECTED_AXES = {
+    "fsdp": {("dp", "all_gather"), ("dp", "reduce_scatter")},
+    "fsdp_tp": {("dp", "all_gather"), ("dp", "reduce_scatter"), ("tp", "all_reduce")},
+    "hsdp": {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"), ("dp_replicate", "all_reduce")},
+    "ddp": {("world", "all_reduce")},
+}
 
 
 def _real_steps(ctx: WorkerContext) -> dict[str, Any]:
@@ -204,7 +244,7 @@ def test_a_fake_step_records_what_the_real_one_does(layout: str, real_steps: dic
     finally:
         dist.destroy_process_group()
     assert [r.as_dict() for r in recorder.collectives] == real_collectives
-    assert summarise_collectives(recorder.collectives)  # something was recorded
+    assert {(s.axis, s.kind) for s in summarise_collectives(recorder.collectives)} == EXPECTED_AXES[layout]
     for category in ("parameters", "gradients", "optimizer_state"):
         assert memory.end_by_category[category] == real_memory["end_by_category"][category], category
     assert memory.peak_bytes == pytest.approx(real_memory["peak_bytes"], rel=0.10)

@@ -79,6 +79,7 @@ class StepMemoryTracker(TorchDispatchMode):
         self._phases = StepPhases()
         self._serials: dict[int, int] = {}  # storage address -> serial, while it lives
         self._live: dict[int, int] = {}  # serial -> bytes (serials are never reused; addresses are)
+        self._total = 0  # sum of self._live, kept as it changes
         self._born_in: dict[int, str] = {}  # serial -> phase
         self._resized: set[int] = set()
         self._gradients: set[int | None] = set()
@@ -96,12 +97,16 @@ class StepMemoryTracker(TorchDispatchMode):
         if address in self._serials:
             return
         key = self._serials[address] = len(self._born_in)
-        self._live[key] = storage.nbytes()
+        self._set_bytes(key, storage.nbytes())
         self._born_in[key] = self._phases.phase
         weakref.finalize(storage, self._release, address, key)
 
+    def _set_bytes(self, key: int, nbytes: int) -> None:
+        self._total += nbytes - self._live.get(key, 0)
+        self._live[key] = nbytes
+
     def _release(self, address: int, key: int) -> None:
-        self._live.pop(key, None)
+        self._total -= self._live.pop(key, 0)
         if self._serials.get(address) == key:
             del self._serials[address]
 
@@ -109,9 +114,8 @@ class StepMemoryTracker(TorchDispatchMode):
         return self._serials.get(_local(tensor).untyped_storage()._cdata)
 
     def _note_peak(self) -> None:
-        total = sum(self._live.values())
-        if total > self._peak:
-            self._peak = total
+        if self._total > self._peak:
+            self._peak = self._total
             self._peak_live = dict(self._live)
             self._peak_phase = self._phases.phase
 
@@ -119,7 +123,7 @@ class StepMemoryTracker(TorchDispatchMode):
         out = self._unpatched_resize(storage, size)
         key = self._serials.get(storage._cdata)
         if key is not None:
-            self._live[key] = storage.nbytes()
+            self._set_bytes(key, storage.nbytes())
             self._resized.add(key)
             self._note_peak()
         return out
@@ -143,7 +147,7 @@ class StepMemoryTracker(TorchDispatchMode):
         bytes once, on the result (the input is rarely used after its wait)."""
         source, target = self._serial(waited), self._serial(result)
         if source is not None and target is not None and source != target:
-            self._live[source] = 0
+            self._set_bytes(source, 0)
 
     # ---------------------------------------------------------------- categories
 
