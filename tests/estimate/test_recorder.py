@@ -139,6 +139,19 @@ def test_mesh_axes_names_dimensions_flattened_ones_and_the_world(fake_world8: No
         ("all_reduce", "world", 8, 32, 2 * 32 * 7 // 8), ("broadcast", "dp_shard", 2, 8, 8)]
 
 
+def test_point_to_point_and_barrier_are_recorded_as_pipelines_issue_them(fake_world4: None) -> None:
+    with StepRecorder() as recorder:
+        dist.send(torch.ones(4), dst=1)
+        dist.recv(torch.ones(2), src=1)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(3), 1),
+                                        dist.P2POp(dist.irecv, torch.ones(5), 3)])
+        for work in works:
+            work.wait()
+        dist.barrier()
+    assert [(r.kind, r.payload_bytes, r.wire_bytes) for r in recorder.collectives] == [
+        ("send", 16, 16), ("recv", 8, 8), ("send", 12, 12), ("recv", 20, 20), ("barrier", 0, 0)]
+
+
 # ------------------------------------------------------------------------ (b) FLOPs
 
 
