@@ -23,7 +23,7 @@ What it sees, found on torch 2.13:
 """
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -274,9 +274,4 @@ def record_ddp(model: torch.nn.parallel.DistributedDataParallel) -> None:
     model.register_comm_hook(model.process_group, _divided_allreduce_hook)
 
 
-def recorded_collectives(records: Iterable[CollectiveRecord]) -> list[dict[str, Any]]:
-    """The records as plain dicts (to compare a pooled real run with a fake one, or to print)."""
-    return [record.as_dict() for record in records]
-
-
-__all__ = ["StepRecorder", "mesh_axes", "record_ddp", "recorded_collectives"]
+__all__ = ["StepRecorder", "mesh_axes", "record_ddp"]
