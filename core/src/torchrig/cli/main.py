@@ -1,5 +1,5 @@
 """``torchrig`` console script: subcommands ``plugins``, ``env``, ``config``, ``launch``, ``test``,
-``estimate-memory`` and ``new-plugin``,
+``estimate-memory``, ``plan`` and ``new-plugin``,
 plus the
 commands installed distributions contribute through the ``torchrig.commands`` entry-point group
 (:mod:`torchrig.cli.commands`; e.g. ``merge-weights`` from torchrig-fsdp).
@@ -30,7 +30,7 @@ from torchrig.errors import TorchrigError  # noqa: E402
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 #: Names a contributed command (``torchrig.commands`` entry point) cannot take.
-BUILTIN_COMMANDS = ("plugins", "config", "launch", "test", "estimate-memory", "env", "new-plugin")
+BUILTIN_COMMANDS = ("plugins", "config", "launch", "test", "estimate-memory", "plan", "env", "new-plugin")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     # `estimate-memory` takes the launch configuration flags too.
     sub.add_parser("estimate-memory", help="per-rank training memory of MODEL under the configured strategy, "
                                            "components summed; `torchrig estimate-memory --help`")
+    # `plan` takes the launch configuration flags too.
+    sub.add_parser("plan", help="check and predict a run at its target scale (8-1024 GPUs) from this CPU: layout "
+                                "errors, memory per rank, communication per axis, step time; `torchrig plan --help`")
 
     env = sub.add_parser("env", help="versions, devices and settings to paste into a bug report")
     env.add_argument("--json", action="store_true", help="machine-readable output")
@@ -112,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _guarded("test", lambda: _run_test(argv[1:]))
     if argv[:1] == ["estimate-memory"]:
         return _guarded("estimate-memory", lambda: _run_estimate(argv[1:]))
+    if argv[:1] == ["plan"]:
+        return _guarded("plan", lambda: _run_plan(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
@@ -142,6 +147,12 @@ def _run_estimate(argv: list[str]) -> int:
     from torchrig.cli.estimate import run_estimate
 
     return run_estimate(argv)
+
+
+def _run_plan(argv: list[str]) -> int:
+    from torchrig.cli.plan import run_plan
+
+    return run_plan(argv)
 
 
 def _guarded(command: str, run: Callable[[], int]) -> int:

@@ -22,16 +22,21 @@ import contextlib
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torchrig.accelerator import Accelerator
 from torchrig.errors import PlanningUnsupported, TorchrigError
+from torchrig.estimate.costs import CollectiveSummary, OpCost
 from torchrig.estimate.fake_world import fake_world
 from torchrig.estimate.memory_model import build_on_meta, example_inputs, resolve_model, training_loss
+from torchrig.estimate.recorder import StepRecorder, mesh_axes
+from torchrig.estimate.step_memory import StepMemory, track_step_memory
 
 #: Optimizers the plan can build for its step (their state is what it counts).
 PLAN_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -104,6 +109,24 @@ class RankLayout:
         if stages > 1:
             return f"pp stage {self.coordinates.get('pp', 0)} of {stages}"
         return "every rank alike"
+
+
+@attrs.frozen
+class StepRecording:
+    """What one planned rank's training step did, recorded under ``FakeTensorMode``."""
+
+    #: Collectives per (axis, kind): count and bytes.
+    collectives: tuple[CollectiveSummary, ...]
+    #: Every operator's cost (identical ones folded), all phases.
+    ops: tuple[OpCost, ...]
+    #: FLOPs per phase (forward, backward, optimizer).
+    flops: dict[str, int]
+    memory: StepMemory
+    #: Mesh axis (and flattened axis, ``"world"``) → whether its process group spans machines.
+    axes_across_nodes: dict[str, bool]
+    #: Tokens of the batch this rank stepped on (micro-batch × sequence length).
+    tokens: int
+    seconds: float
 
 
 @attrs.frozen
@@ -269,6 +292,54 @@ def fake_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
     optimizer.zero_grad()
 
 
+def _axes_across_nodes(axes: Mapping[str, str], processes_per_machine: int) -> dict[str, bool]:
+    """Whether each recorded axis's group (this rank's) holds ranks of two machines, from its members."""
+    placed = {"world": dist.get_world_size() > processes_per_machine}
+    for group_name, label in axes.items():
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+        machines = {rank // processes_per_machine for rank in dist.get_process_group_ranks(group)}
+        placed[label] = len(machines) > 1
+    return placed
+
+
+def _create_optimizer_state(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """One unrecorded optimizer step on zero gradients, so the recorded step is a steady one: its
+    optimizer state exists from the start (a first step creates it lazily, inside ``step()``, so its
+    peak would lack the state every later step holds)."""
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for parameter in trainable:
+        parameter.grad = torch.zeros_like(parameter)
+    for optimizer in optimizers:
+        optimizer.step()
+    for parameter in trainable:
+        parameter.grad = None
+
+
+def recorded_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  inputs: PlanInputs) -> StepRecording:
+    """The planned rank's step under ``FakeTensorMode``, recorded: the prepared model's shards get fake
+    storage, then :func:`fake_step` runs under the step recorder (collectives per axis, operator
+    costs) and the memory tracker (:mod:`torchrig.estimate.recorder`, :mod:`torchrig.estimate.step_memory`)."""
+    started = time.perf_counter()
+    mesh = accelerator.torch_device_mesh
+    axes = mesh_axes(mesh) if mesh is not None else {}
+    unwrapped = accelerator.unwrap_model(model)
+    optimizers = [getattr(optimizer, "optimizer", optimizer)]
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        warnings.simplefilter("ignore")  # backward-hook and view warnings of fake outputs
+        unwrapped.to_empty(device="cpu")
+        _create_optimizer_state(unwrapped, optimizers)
+        memory = track_step_memory(unwrapped, optimizers)
+        with memory, StepRecorder(axes) as recorder:
+            for phase in fake_step(accelerator, model, optimizer, inputs):
+                recorder.phase = phase
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return StepRecording(collectives=tuple(recorder.summary()), ops=tuple(recorder.op_costs()),
+                         flops=recorder.flops_by_phase(), memory=memory.result,
+                         axes_across_nodes=_axes_across_nodes(axes, local_world),
+                         tokens=inputs.batch_size * inputs.seq_len, seconds=time.perf_counter() - started)
+
+
 def plan_run(inputs: PlanInputs, target: PlanTarget,
              step: Callable[[Accelerator, torch.nn.Module, torch.optim.Optimizer, PlanInputs], Any] | None = None
              ) -> PlanReport:
@@ -287,4 +358,4 @@ def plan_run(inputs: PlanInputs, target: PlanTarget,
 
 
 __all__ = ["PLAN_OPTIMIZERS", "PlanError", "PlanInputs", "PlanReport", "PlanTarget", "RankLayout", "RankPlan",
-           "fake_step", "plan_rank", "plan_run", "representative_ranks"]
+           "StepRecording", "fake_step", "plan_rank", "plan_run", "recorded_step", "representative_ranks"]
