@@ -441,7 +441,8 @@ class Accelerator(StepCalls, CheckpointCalls, TrackingCalls, CollectiveCalls, Pr
             return contextlib.nullcontext()
         options = self.config.section("parallelism_config")
         return context_parallel(cp, buffers or [], buffer_seq_dims or [], no_restore_buffers or [],
-                                comm_strategy=options.cp_comm_strategy, load_balance=options.cp_load_balance)
+                                comm_strategy=options.cp_comm_strategy, load_balance=options.cp_load_balance,
+                                planning=self._run.planning)
 
     @property
     def strategy_capabilities(self) -> Capabilities:

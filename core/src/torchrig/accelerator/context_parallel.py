@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from torchrig.errors import ConfigError
+from torchrig.errors import ConfigError, PlanningUnsupported
 
 KEY = "parallelism_config.cp_size"
 COMM_STRATEGIES = ("allgather", "alltoall")
@@ -104,11 +104,18 @@ class AttentionGuard:
 @contextlib.contextmanager
 def context_parallel(cp_mesh: Any, buffers: Sequence[Any], buffer_seq_dims: Sequence[int],
                      no_restore_buffers: Sequence[Any], *, comm_strategy: str = "allgather",
-                     load_balance: bool = True) -> Iterator[None]:
+                     load_balance: bool = True, planning: bool = False) -> Iterator[None]:
     """Shard ``buffers`` over ``cp_mesh`` along ``buffer_seq_dims`` (in place; restored on exit
     unless in ``no_restore_buffers``) and run SDPA as ring attention inside. Raises
-    :class:`ConfigError` for what it would get wrong (module docstring)."""
+    :class:`ConfigError` for what it would get wrong (module docstring); in a planned run
+    (``planning``) on a CPU, :class:`PlanningUnsupported`: the target's CUDA run is fine, the plan
+    cannot step it here."""
     problems = buffer_problems(cp_mesh.size(), buffers, buffer_seq_dims, no_restore_buffers, load_balance)
+    if cp_mesh.device_type != "cuda" and planning:
+        raise PlanningUnsupported(f"{KEY}: context parallel's step cannot be planned on {cp_mesh.device_type} "
+                                  f"(torch {torch.__version__}: the {cp_mesh.device_type} attention kernel has no "
+                                  "sharding rule for ring attention; the target's CUDA kernels have one); the layout "
+                                  "is planned, the step's memory, collectives and time are not")
     if cp_mesh.device_type != "cuda":
         problems.insert(0, f"{KEY}: context parallel runs on CUDA devices only (torch {torch.__version__}: the "
                            f"{cp_mesh.device_type} attention kernel has no sharding rule); this run is on "

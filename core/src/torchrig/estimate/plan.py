@@ -239,6 +239,7 @@ def plan_rank(inputs: PlanInputs, target: PlanTarget, rank: int,
                         f"{', '.join(sorted(PLAN_OPTIMIZERS))}")
     where = "Accelerator()"
     layout_array = None
+    layout: RankLayout | None = None
     accelerator: Accelerator | None = None
     with _environment(inputs.environment), fake_world(target.world_size, rank,
                                                       local_world_size=target.processes_per_machine):
@@ -258,8 +259,9 @@ def plan_rank(inputs: PlanInputs, target: PlanTarget, rank: int,
             if step is not None:
                 where = "the training step"
                 recording = step(accelerator, model, optimizer, inputs)
-        except PlanningUnsupported as exc:
-            return RankPlan(rank=rank, unsupported=str(exc), seconds=time.perf_counter() - started), layout_array
+        except PlanningUnsupported as exc:  # the layout, when it got that far, still stands
+            return RankPlan(rank=rank, layout=layout, unsupported=str(exc),
+                            seconds=time.perf_counter() - started), layout_array
         except Exception as exc:  # noqa: BLE001 — the planned run's failure is the plan's finding
             return RankPlan(rank=rank, error=_describe(where, exc), seconds=time.perf_counter() - started), layout_array
         finally:
@@ -273,20 +275,25 @@ def fake_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
     """One optimizer step of ``model`` (run it under ``FakeTensorMode``, the parameters given fake
     storage first), in phases: yields ``"forward"``, ``"backward"``, ``"optimizer"`` before each, so
     a recorder can attribute what follows. A pipelined model runs its schedule in the forward call,
-    as a training loop calls it: ``model(inputs, target=labels)``."""
+    as a training loop calls it: ``model(inputs, target=labels)``; with a ``cp`` axis, forward and
+    backward run inside ``accelerator.maybe_context_parallel`` over the batch's sequence dimension."""
     made = example_inputs(accelerator.unwrap_model(model), inputs.batch_size, inputs.seq_len)
     if isinstance(made, str):
         raise PlanError(made)
     args, kwargs = made
     pp = accelerator.device_submeshes.get("pp")
-    yield "forward"
-    if pp is not None and pp.size() > 1:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        loss = model(ids, target=kwargs.get("labels", ids))
-    else:
-        loss = training_loss(model(*args, **kwargs))
-    yield "backward"
-    accelerator.backward(loss)
+    sequence = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor) and value.dim() >= 2]
+    # context parallel: what a CP loop does, the batch's sequence dimension sharded over cp around
+    # forward and backward (a no-op without a cp axis)
+    with accelerator.maybe_context_parallel(buffers=sequence, buffer_seq_dims=[1] * len(sequence)):
+        yield "forward"
+        if pp is not None and pp.size() > 1:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            loss = model(ids, target=kwargs.get("labels", ids))
+        else:
+            loss = training_loss(model(*args, **kwargs))
+        yield "backward"
+        accelerator.backward(loss)
     yield "optimizer"
     optimizer.step()
     optimizer.zero_grad()

@@ -101,7 +101,7 @@ def format_plan(report: PlanReport, gpu: GpuSpec, network: Interconnect) -> str:
         if plan.error:
             out.append(f"rank {plan.rank}: FAILS at {plan.error}")
             continue
-        if plan.unsupported:
+        if plan.layout is None:
             out.append(f"rank {plan.rank}: not planned: {plan.unsupported}")
             continue
         layout = plan.layout
@@ -109,6 +109,8 @@ def format_plan(report: PlanReport, gpu: GpuSpec, network: Interconnect) -> str:
         out.append(f"rank {plan.rank} ({layout.role}; {mesh}; strategy {layout.strategy}, {layout.mixed_precision}): "
                    f"{layout.local_parameters:,} of {layout.total_parameters:,} parameters")
         if plan.step is None:
+            if plan.unsupported:
+                out.append(f"  step not planned: {plan.unsupported}")
             continue
         out.append(_memory_line(plan, gpu))
         out.extend(_collective_lines(plan.step.collectives, plan.step.axes_across_nodes))
@@ -119,8 +121,15 @@ def format_plan(report: PlanReport, gpu: GpuSpec, network: Interconnect) -> str:
     if assumptions:
         out += ["", "assumptions of the step time:"] + [f"  - {line}" for line in assumptions]
     errors = failures(report, gpu)
-    out += ["", f"{len(errors)} error(s): the run would fail" if errors else "no errors: every planned rank prepared "
-            "and stepped, and fits"]
+    partial = [plan.rank for plan in report.ranks if plan.unsupported]
+    if errors:
+        verdict = f"{len(errors)} error(s): the run would fail"
+    elif partial:
+        verdict = (f"no errors found, but rank(s) {', '.join(map(str, partial))} could not be planned whole here "
+                   "(see above)")
+    else:
+        verdict = "no errors: every planned rank prepared and stepped, and fits"
+    out += ["", verdict]
     out += [f"  - {error}" for error in errors]
     return "\n".join(out) + "\n"
 
