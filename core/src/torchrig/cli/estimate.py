@@ -14,8 +14,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
+from torchrig.cli.command_line import CommandParser, positive_int
 from torchrig.config.flags import add_config_flags, collect_flags, flag_values
 from torchrig.config.readers import CONFIG_FILE_ENV
 from torchrig.config.resolve import ResolvedConfig, Schema, resolve_config
@@ -44,33 +45,14 @@ The configuration is resolved as `torchrig launch` resolves it; its flags are ac
 Exit 0; 2 on a usage, configuration or MODEL problem."""
 
 
-class UsageError(TorchrigError):
-    """Bad command line: one line, exit 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see `{PROG} --help`)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
 def build_parser(host: PluginHost) -> tuple[argparse.ArgumentParser, dict[str, Any]]:
-    parser = _Parser(prog=PROG, allow_abbrev=False, description=DESCRIPTION,
+    parser = CommandParser(prog=PROG, allow_abbrev=False, description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", metavar="MODEL", help="module:function, a config.json (or its directory), "
                                                        "or a cached transformers model name")
     own = parser.add_argument_group("estimate")
-    own.add_argument("--batch_size", type=_positive_int, default=1, help="micro-batch per rank (default 1)")
-    own.add_argument("--seq_len", type=_positive_int, default=512, help="sequence length (default 512)")
+    own.add_argument("--batch_size", type=positive_int, default=1, help="micro-batch per rank (default 1)")
+    own.add_argument("--seq_len", type=positive_int, default=512, help="sequence length (default 512)")
     own.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                      help="optimizer whose state is counted (default adamw: 8 bytes per element)")
     own.add_argument("--compare", metavar="STRATEGY[,STRATEGY...]",

@@ -15,12 +15,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
+from torchrig.cli.command_line import CommandParser, UsageError, positive_int
 from torchrig.config.flags import add_config_flags, collect_flags, flag_values
 from torchrig.config.readers import CONFIG_FILE_ENV, LAUNCH_OVERRIDES_ENV, encode_launch_overrides
 from torchrig.config.resolve import Schema, resolve_config
-from torchrig.errors import TorchrigError
 from torchrig.estimate.hardware import GPUS, INTERCONNECTS, gpu_spec, interconnect
 from torchrig.estimate.plan_report import failures, format_plan, plan_as_dict
 from torchrig.host.plugin_host import PluginHost
@@ -48,25 +48,6 @@ The target is --num_machines and --num_processes (all processes, as for `torchri
 over the GPU's included); 2: a usage, configuration or MODEL problem."""
 
 
-class UsageError(TorchrigError):
-    """Bad command line: one line, exit 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see `{PROG} --help`)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
 def _ranks(text: str) -> tuple[int, ...]:
     try:
         ranks = tuple(int(part) for part in text.split(",") if part.strip())
@@ -78,13 +59,13 @@ def _ranks(text: str) -> tuple[int, ...]:
 
 
 def build_parser(host: PluginHost) -> tuple[argparse.ArgumentParser, dict[str, Any]]:
-    parser = _Parser(prog=PROG, allow_abbrev=False, description=DESCRIPTION,
+    parser = CommandParser(prog=PROG, allow_abbrev=False, description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", metavar="MODEL", help="module:function, a config.json (or its directory), "
                                                        "or a cached transformers model name")
     own = parser.add_argument_group("plan")
-    own.add_argument("--batch_size", type=_positive_int, default=1, help="micro-batch per rank (default 1)")
-    own.add_argument("--seq_len", type=_positive_int, default=2048, help="sequence length (default 2048)")
+    own.add_argument("--batch_size", type=positive_int, default=1, help="micro-batch per rank (default 1)")
+    own.add_argument("--seq_len", type=positive_int, default=2048, help="sequence length (default 2048)")
     own.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd_momentum"), default="adamw",
                      help="the optimizer of the planned step (default adamw)")
     own.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU kind of the target (default {DEFAULT_GPU}; "

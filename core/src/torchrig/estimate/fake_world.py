@@ -16,7 +16,6 @@ moves it.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -41,8 +40,9 @@ def world_environment(world_size: int, rank: int, local_world_size: int) -> dict
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int, *, local_world_size: int) -> Iterator[None]:
     """Be rank ``rank`` of ``world_size`` (``local_world_size`` per machine) until the block ends:
-    the launcher's variables set, torch's fake process group as the default group. Both are undone
-    on exit, the group destroyed (with every group the mesh created on it)."""
+    torch's fake process group as the default group, destroyed on exit (with every group a mesh
+    created on it). The launcher's variables (:func:`world_environment`) are the caller's to set,
+    with whatever else a launched rank would see."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise FakeWorldError(f"rank {rank} of a world of {world_size}: the rank must lie in [0, {world_size})")
     if local_world_size < 1 or world_size % local_world_size:
@@ -51,21 +51,11 @@ def fake_world(world_size: int, rank: int, *, local_world_size: int) -> Iterator
     if dist.is_initialized():
         raise FakeWorldError("this process already has a default process group; planning runs in a process of its own "
                              "(the `torchrig plan` command, or destroy the group first)")
-    variables = world_environment(world_size, rank, local_world_size)
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
+    dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+        yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        dist.destroy_process_group()
 
 
 def in_fake_world() -> bool:

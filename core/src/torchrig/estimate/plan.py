@@ -18,7 +18,6 @@ in, and the report lists every one.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import warnings
@@ -33,10 +32,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torchrig.accelerator import Accelerator
 from torchrig.errors import PlanningUnsupported, TorchrigError
 from torchrig.estimate.costs import CollectiveSummary, OpCost
-from torchrig.estimate.fake_world import fake_world
+from torchrig.estimate.fake_world import fake_world, world_environment
 from torchrig.estimate.memory_model import build_on_meta, example_inputs, resolve_model, training_loss
 from torchrig.estimate.recorder import StepRecorder, mesh_axes
 from torchrig.estimate.step_memory import StepMemory, track_step_memory
+from torchrig.utils.environment import patch_environment
 
 #: Optimizers the plan can build for its step (their state is what it counts).
 PLAN_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -180,20 +180,6 @@ def representative_ranks(mesh_shape: Mapping[str, int], layout: Any) -> list[int
     return ranks
 
 
-@contextlib.contextmanager
-def _environment(variables: Mapping[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
@@ -241,8 +227,9 @@ def plan_rank(inputs: PlanInputs, target: PlanTarget, rank: int,
     layout_array = None
     layout: RankLayout | None = None
     accelerator: Accelerator | None = None
-    with _environment(inputs.environment), fake_world(target.world_size, rank,
-                                                      local_world_size=target.processes_per_machine):
+    launched = world_environment(target.world_size, rank, target.processes_per_machine)
+    with patch_environment(**launched, **inputs.environment), fake_world(
+            target.world_size, rank, local_world_size=target.processes_per_machine):
         try:
             accelerator = Accelerator(cpu=True)
             mesh = accelerator.torch_device_mesh

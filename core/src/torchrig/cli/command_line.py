@@ -1,0 +1,35 @@
+"""What the commands that take a MODEL and the launch's flags (``estimate-memory``, ``plan``) parse
+alike: a usage error is one line naming the command's ``--help`` and exits 2 (``cli.main``'s
+guard), and counts are positive integers. Torch-free."""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+from torchrig.errors import TorchrigError
+
+
+class UsageError(TorchrigError):
+    """Bad command line: one line, exit 2."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are :class:`UsageError` (no usage block, no ``SystemExit``)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+__all__ = ["CommandParser", "UsageError", "positive_int"]
