@@ -39,6 +39,7 @@ from torchrig.plugin import (
     Capabilities,
     LaunchPlan,
     OptimizerStepScheduler,
+    PlanningUnsupported,
     PreparedModel,
     RunContext,
     StepPlanBuilder,
@@ -68,6 +69,14 @@ from torchrig_deepspeed.options import DeepSpeedPlugin
 from torchrig_deepspeed.placeholders import EngineBuiltScheduler
 
 logger = get_logger(__name__)
+
+#: Why ``torchrig plan`` cannot lay a DeepSpeed run out (``torchrig_prepare_model`` when planning).
+PLANNING_REFUSAL = (
+    "strategy 'deepspeed' cannot be planned on the meta device: deepspeed.initialize needs the parameters' "
+    "real storage — it moves the model onto the device, broadcasts rank 0's weights, and its ZeRO optimizer "
+    "(stages 1-2) copies the parameters into flat partitioned buffers, while ZeRO-3 partitions the parameters "
+    "themselves as the engine is built; a meta-device model has no storage for any of these. The plan reports "
+    "the strategy's memory estimate instead")
 
 
 class DeepSpeedStrategy:
@@ -125,6 +134,8 @@ class DeepSpeedStrategy:
     def torchrig_prepare_model(
         self, run: RunContext, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any], device_placement: bool
     ) -> PreparedModel:
+        if run.planning:  # before DeepSpeed is imported or the model touched
+            raise PlanningUnsupported(PLANNING_REFUSAL)
         return build_engine(run, model, optimizers, schedulers, device_placement,
                             accumulation_steps=accumulation_of(run).num_steps)
 
