@@ -29,7 +29,15 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from torchrig.plugin import Capabilities, PreparedModel, RunContext, StashKey, StepPlanBuilder, hookimpl
+from torchrig.plugin import (
+    Capabilities,
+    PlanningUnsupported,
+    PreparedModel,
+    RunContext,
+    StashKey,
+    StepPlanBuilder,
+    hookimpl,
+)
 
 from torchrig_localsgd.options import LocalSGDKwargs
 
@@ -72,6 +80,13 @@ class Averager:
 
 
 KEY: StashKey[Averager] = StashKey("localsgd.averager")
+
+#: Why ``torchrig plan`` does not plan a local SGD run (the planning contract of ``torchrig_prepare_model``).
+PLANNING_REFUSAL = (
+    "strategy 'localsgd' is not planned: its prepare broadcasts rank 0's parameters, and its traffic is one "
+    "all-reduce of every parameter once per sync_every optimizer steps, which the plan's single recorded step "
+    "cannot show (it would report either none or a whole average per step); plan the same model with "
+    "distributed_type MULTI_GPU (ddp) for its layout and memory")
 
 
 def _buckets(tensors: Iterable[Any]) -> dict[tuple[Any, Any], list[Any]]:
@@ -129,6 +144,8 @@ class LocalSGDStrategy:
     def torchrig_prepare_model(
         self, run: RunContext, model: Any, optimizers: Sequence[Any], schedulers: Sequence[Any], device_placement: bool
     ) -> PreparedModel:
+        if run.planning:  # before the model is moved or broadcast
+            raise PlanningUnsupported(PLANNING_REFUSAL)
         assert run.device is not None
         if device_placement:
             model.to(run.device.device)
