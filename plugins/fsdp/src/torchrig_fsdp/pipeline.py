@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torchrig.plugin import ConfigError
 
-from torchrig_fsdp import pp_plan
+from torchrig_fsdp import pp_plan, pp_planning
 
 SPLIT_KEY = "parallelism_config.pp_split_points"
 INTERLEAVED = "Interleaved1F1B"
@@ -212,13 +212,32 @@ def prune_optimizer(optimizer: torch.optim.Optimizer, stage: torch.nn.Module) ->
 # -- the schedule ---------------------------------------------------------------------------------
 
 
-def make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Any) -> Any:
+def make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Any, *, planned: bool = False) -> Any:
+    """torch's schedule ``name`` over ``stages``; ``planned``: its planning variant
+    (:func:`torchrig_fsdp.pp_planning.planned_class`: no warm-up vote, stages in static mode)."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    schedules = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, INTERLEAVED: ScheduleInterleaved1F1B}
+    schedule_class = pp_planning.planned_class(schedules[name]) if planned else schedules[name]
     if name == INTERLEAVED:
-        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    schedules = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
-    return schedules[name](stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def boundary_probe(model: torch.nn.Module, num_stages: int, split_points: list[str] | None,
+                   split_fn: Any) -> pp_planning.BoundaryProbe:
+    """For a planned run, taken before the split: what finds the tensors passed between stages
+    (:mod:`torchrig_fsdp.pp_planning`) — a user split keeps a copy of the unsplit meta model to
+    rebuild and chain the earlier stages on."""
+    if split_fn is None and not split_points:  # the model's own plan: the hidden states
+        return pp_planning.BoundaryProbe(num_stages, None, None)
+
+    def build(copy_of_model: torch.nn.Module, stage: int) -> torch.nn.Module:
+        if split_fn is not None:
+            return split_fn(copy_of_model, stage, num_stages)
+        return keep_stages(copy_of_model, stage_of_units(copy_of_model, list(split_points or [])), {stage})
+
+    return pp_planning.BoundaryProbe(num_stages, copy.deepcopy(model), build)
 
 
 class _HeldGradients(torch.autograd.Function):
@@ -226,23 +245,26 @@ class _HeldGradients(torch.autograd.Function):
     times the gradient it receives (1, or 1/accumulation steps, or a loss scale)."""
 
     @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, anchor: torch.Tensor, held: list[tuple[Any, Any]]) -> torch.Tensor:
+    def forward(ctx: Any, loss: torch.Tensor, anchor: torch.Tensor, held: list[tuple[Any, Any]],
+                planned: bool) -> torch.Tensor:
         ctx.held = held
+        ctx.planned = planned
         return loss.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        factor = float(grad)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        # a planned (fake) gradient has no value to read: the gradients are scaled by it as a tensor
+        factor = grad if ctx.planned else float(grad)
         with torch.no_grad():
             for param, computed in ctx.held:
-                if factor != 1.0:
+                if ctx.planned or factor != 1.0:
                     computed.mul_(factor)
                 if param.grad is None:
                     param.grad = computed
                 else:
                     param.grad.add_(computed)
         ctx.held = []
-        return None, None, None
+        return None, None, None, None
 
 
 class PipelineParallel(torch.nn.Module):
@@ -251,11 +273,15 @@ class PipelineParallel(torch.nn.Module):
     ``torch.no_grad``) and returns the mean micro-batch loss, the same on every rank of the pipeline.
     ``module`` is the stage (the user's model minus the other stages, names kept)."""
 
-    def __init__(self, module: torch.nn.Module, schedule: Any, stages: list[Any], group: Any, microbatches: int) -> None:
+    def __init__(self, module: torch.nn.Module, schedule: Any, stages: list[Any], group: Any, microbatches: int,
+                 planning: tuple[pp_planning.BoundaryProbe, str, Any] | None = None) -> None:
         super().__init__()
         self.module = module
         self._pipeline = (schedule, stages, group)
         self.microbatches = microbatches
+        #: A planned run: (boundary probe, schedule name, loss function) to build its static schedule.
+        self._planning = planning
+        self._planned: dict[tuple[int, ...], tuple[Any, list[Any]]] = {}
 
     @property
     def schedule(self) -> Any:
@@ -269,6 +295,22 @@ class PipelineParallel(torch.nn.Module):
             stage.submod.train(mode)
         return self
 
+    def _planned_schedule(self, target: torch.Tensor) -> tuple[Any, list[Any]]:
+        """A planned run's schedule and stages for this batch shape: torch's, in static mode
+        (:mod:`torchrig_fsdp.pp_planning`), the boundaries found for one micro-batch of ``target``'s shape."""
+        assert self._planning is not None
+        probe, name, loss_fn = self._planning
+        micro = torch.empty((target.shape[0] // self.microbatches, *target.shape[1:]), dtype=target.dtype,
+                            device="meta")
+        key = tuple(micro.shape)
+        if key not in self._planned:
+            _, real_stages, group = self._pipeline
+            own = [(stage.stage_index, stage.submod) for stage in real_stages]
+            stages = pp_planning.planned_stages(own, probe.boundaries(micro, own), real_stages[0].num_stages,
+                                                real_stages[0].device, group)
+            self._planned[key] = (make_schedule(name, stages, self.microbatches, loss_fn, planned=True), stages)
+        return self._planned[key]
+
     def forward(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         schedule, stages, group = self._pipeline
         first, last = any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
@@ -280,6 +322,8 @@ class PipelineParallel(torch.nn.Module):
         if batch is not None and batch % self.microbatches:
             raise ValueError(f"parallelism_config.pp_microbatches: the batch of {batch} samples does not split into "
                              f"{self.microbatches} micro-batches; make the batch size a multiple of it")
+        if self._planning is not None and torch.is_tensor(target):
+            schedule, stages = self._planned_schedule(target)
         inputs = args if first else ()
         extra = kwargs if first else {}
         losses: list[torch.Tensor] = []
@@ -304,7 +348,7 @@ class PipelineParallel(torch.nn.Module):
         if not training:
             return loss
         anchor = torch.zeros((), device=loss.device, requires_grad=True)
-        return _HeldGradients.apply(loss, anchor, held)
+        return _HeldGradients.apply(loss, anchor, held, self._planning is not None)
 
     def _broadcast_loss(self, losses: list[torch.Tensor], group: Any, last: bool, device: Any) -> torch.Tensor:
         """From the rank holding the last stage (the last ``pp`` rank, in every schedule here)."""
@@ -317,15 +361,18 @@ class PipelineParallel(torch.nn.Module):
 
 
 def wrap(device: torch.device, module: torch.nn.Module, stages: list[tuple[int, torch.nn.Module]], num_stages: int,
-         mesh: Any, schedule_name: str, microbatches: int, loss_fn: Any) -> PipelineParallel:
+         mesh: Any, schedule_name: str, microbatches: int, loss_fn: Any,
+         probe: pp_planning.BoundaryProbe | None = None) -> PipelineParallel:
     """This rank's stages as ``PipelineStage`` objects over the ``pp`` sub-mesh's group, their
-    schedule, and the module the loop calls (``module``: the rank's part of the model)."""
+    schedule, and the module the loop calls (``module``: the rank's part of the model). ``probe``
+    (:func:`boundary_probe`): the run is planned, its step runs the planning schedule."""
     from torch.distributed.pipelining import PipelineStage
 
     group = mesh["pp"].get_group()
     pipeline_stages = [PipelineStage(stage, index, num_stages, device, group=group) for index, stage in stages]
     schedule = make_schedule(schedule_name, pipeline_stages, microbatches, loss_fn or default_loss)
-    return PipelineParallel(module, schedule, pipeline_stages, group, microbatches)
+    planning = (probe, schedule_name, loss_fn or default_loss) if probe is not None else None
+    return PipelineParallel(module, schedule, pipeline_stages, group, microbatches, planning)
 
 
 def join_stages(state: dict[str, Any], group: Any, *, rank0_only: bool) -> dict[str, Any]:
@@ -353,6 +400,6 @@ def pp_group(mesh: Any) -> Any:
     return mesh["pp"].get_group() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else None
 
 
-__all__ = ["INTERLEAVED", "PipelineParallel", "build_rank", "build_stage", "check", "default_loss", "group_device",
+__all__ = ["INTERLEAVED", "PipelineParallel", "boundary_probe", "build_rank", "build_stage", "check", "default_loss", "group_device",
            "join_stages", "keep_stages", "make_schedule", "pp_group", "prune_optimizer", "split_units", "stage_of_units",
            "stage_view", "wrap"]

@@ -177,6 +177,9 @@ class FSDPStrategy:
         if pp is not None:  # this rank's stage, then TP and fully_shard on it as on a whole model
             if config.tp_plan and nd.tp_mesh(mesh) is not None:  # every pattern matches in the whole model
                 nd.resolve_plan(model, config.tp_plan, config.loss_parallel, "parallelism_config.tp_plan")
+            # a planned run keeps what finds the tensors between stages, taken before the split
+            probe = pipeline.boundary_probe(model, pp.size(), config.pp_split_points,
+                                            config.pp_split_fn) if run.planning else None
             model, stages, num_stages = pipeline.build_rank(model, pp.get_local_rank(), pp.size(), config.pp_schedule,
                                                             config.pp_split_points, config.pp_split_fn)
             prepared.unwrapped = prepared.model = model
@@ -186,7 +189,7 @@ class FSDPStrategy:
                           roots=[stage for _, stage in stages] if pp is not None else [model])
         if pp is not None:
             prepared.model = pipeline.wrap(device, model, stages, num_stages, mesh, config.pp_schedule,
-                                           config.pp_microbatches or pp.size(), config.pp_loss_fn)
+                                           config.pp_microbatches or pp.size(), config.pp_loss_fn, probe)
         return prepared
 
     def _parallelize(self, run: RunContext, model: torch.nn.Module, mesh: Any, options: FullyShardedDataParallelPlugin,
