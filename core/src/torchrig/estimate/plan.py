@@ -258,11 +258,15 @@ def plan_rank(inputs: PlanInputs, target: PlanTarget, rank: int,
 
 
 def fake_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              inputs: PlanInputs) -> Iterator[str]:
+              inputs: PlanInputs) -> Iterator[str | None]:
     """One optimizer step of ``model`` (run it under ``FakeTensorMode``, the parameters given fake
     storage first), in phases: yields ``"forward"``, ``"backward"``, ``"optimizer"`` before each, so
     a recorder can attribute what follows. A pipelined model runs its schedule in the forward call,
-    as a training loop calls it: ``model(inputs, target=labels)``; with a ``cp`` axis, forward and
+    as a training loop calls it: ``model(inputs, target=labels)``; the schedule runs every
+    micro-batch's backward (and the gradient reduce-scatters) inside that call, so ``None`` is
+    yielded before it: the recorder tells forward from backward as they run, as on a real rank
+    (``StepPhases``; labelled ``"forward"``, a stage's backward FLOPs and gradient collectives were
+    counted as forward ones — tests/estimate/test_plan_calibration.py); with a ``cp`` axis, forward and
     backward run inside ``accelerator.maybe_context_parallel`` over the batch's sequence dimension."""
     made = example_inputs(accelerator.unwrap_model(model), inputs.batch_size, inputs.seq_len)
     if isinstance(made, str):
@@ -273,11 +277,12 @@ def fake_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
     # context parallel: what a CP loop does, the batch's sequence dimension sharded over cp around
     # forward and backward (a no-op without a cp axis)
     with accelerator.maybe_context_parallel(buffers=sequence, buffer_seq_dims=[1] * len(sequence)):
-        yield "forward"
         if pp is not None and pp.size() > 1:
+            yield None
             ids = kwargs.get("input_ids", args[0] if args else None)
             loss = model(ids, target=kwargs.get("labels", ids))
         else:
+            yield "forward"
             loss = training_loss(model(*args, **kwargs))
         yield "backward"
         accelerator.backward(loss)
