@@ -137,3 +137,52 @@ def test_a_user_split_is_planned_interleaved_with_its_probed_boundaries(tmp_path
         # sends 2 gradients and 2 activations — 6 each way; rank 1 mirrors it
         assert _pp(plan.step, "send") == (6, 6 * boundary)
         assert _pp(plan.step, "recv") == (6, 6 * boundary)
+
+
+# ------------------------------------------------------------------------ calibration: a real 4-rank step
+
+CALIBRATED = {"pp_size": 2, "dp_shard_size": 2, "pp_split_points": ["layers.2"], "pp_schedule": "1F1B"}
+PER_RANK = 4  # two micro-batches of 2 samples
+
+
+def _real_pipelined_step(ctx) -> dict[tuple[str, str], tuple[int, int]]:
+    """On each gloo rank (pp 2 x dp_shard 2, PipeLM): a first step (torch's warm-up and metadata exchange), then
+    a steady step recorded — (axis, kind) -> (count, payload bytes)."""
+    import torch
+    from torchrig import Accelerator, ParallelismConfig
+    from torchrig.estimate.costs import summarise_collectives
+    from torchrig.estimate.recorder import StepRecorder, mesh_axes
+    from torchrig.testing.contracts import rank_environment
+    from torchrig.testing.models import PipeLM, lm_data
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=ParallelismConfig(**CALIBRATED))
+        model = PipeLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        tokens, labels = lm_data(PER_RANK)[:]
+
+        def step():
+            accelerator.backward(model(tokens, target=labels))
+            optimizer.step()
+            optimizer.zero_grad()
+
+        try:
+            step()
+            with StepRecorder(mesh_axes(accelerator.torch_device_mesh)) as recorder:
+                step()
+        finally:
+            accelerator.end_training()
+    return {(s.axis, s.kind): (s.count, s.payload_bytes) for s in summarise_collectives(recorder.collectives)}
+
+
+@pytest.mark.multiprocess
+def test_a_planned_pipeline_rank_issues_what_a_real_4_rank_step_does(tmp_path, pipe_lm, gloo_pool4):
+    real = gloo_pool4.run(_real_pipelined_step, timeout=180)
+    report = plan_run(PlanInputs(model=pipe_lm, batch_size=PER_RANK, seq_len=8, optimizer="adamw",
+                                 environment=_config(tmp_path, CALIBRATED)), PlanTarget(1, 4), recorded_step)
+    assert [plan.rank for plan in report.ranks] == [0, 2]  # the first rank of each stage (mesh pp x dp_shard)
+    for plan in report.ranks:
+        assert plan.error is None, plan.error
+        planned = {(s.axis, s.kind): (s.count, s.payload_bytes) for s in plan.step.collectives}
+        assert planned == real[plan.rank], plan.rank
