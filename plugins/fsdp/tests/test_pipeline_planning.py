@@ -186,3 +186,23 @@ def test_a_planned_pipeline_rank_issues_what_a_real_4_rank_step_does(tmp_path, p
         assert plan.error is None, plan.error
         planned = {(s.axis, s.kind): (s.count, s.payload_bytes) for s in plan.step.collectives}
         assert planned == real[plan.rank], plan.rank
+
+
+def test_a_user_split_whose_boundaries_cannot_be_probed_on_the_meta_device_is_a_limit_of_the_plan(tmp_path, pipe_lm):
+    # the first stage reads a value of its token ids (fine on a real rank, impossible on the meta device): the
+    # second stage's input cannot be found, said as PlanningUnsupported with the layout kept, not as a failure
+    (tmp_path / "pp_checked_models.py").write_text(
+        "from pp_planning_models import PlannedPipeLM\n\n\nclass CheckedPipeLM(PlannedPipeLM):\n"
+        "    def forward(self, tokens):\n"
+        "        if self.embed is not None and int(tokens.max()) >= self.embed.num_embeddings:\n"
+        "            raise ValueError('token out of range')\n"
+        "        return super().forward(tokens)\n")
+    sys.modules.pop("pp_checked_models", None)
+    report = plan_run(PlanInputs(model="pp_checked_models:CheckedPipeLM", batch_size=4, seq_len=SEQ, ranks=(4,),
+                                 environment=_config(tmp_path, {"pp_size": 2, "dp_shard_size": 4,
+                                                                "pp_split_points": ["layers.2"]})),
+                      PlanTarget(1, 8), recorded_step)
+    (plan,) = report.ranks
+    assert plan.error is None and plan.layout.coordinates["pp"] == 1
+    assert plan.unsupported.startswith("pipeline stage 0: the tensors it passes on cannot be found on the meta device")
+    assert "meta" in plan.unsupported.split(": ", 2)[-1]  # torch's own reason follows

@@ -334,9 +334,15 @@ class PipelineParallel(torch.nn.Module):
             before = [p.grad for p in params]
             for param in params:
                 param.grad = None
-            try:
+            def run_step() -> None:
                 schedule.step(*inputs, target=target if last else None, losses=losses,
                               return_outputs=False, **extra)
+
+            try:
+                if self._planning is not None:
+                    pp_planning.run_planned(run_step)
+                else:
+                    run_step()
             finally:
                 computed = [p.grad for p in params]
                 for param, grad in zip(params, before, strict=True):

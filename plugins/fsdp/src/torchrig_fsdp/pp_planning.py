@@ -36,8 +36,9 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.pipelining._utils import InferenceMode, PipeliningMetadataError
 from torch.utils._python_dispatch import _disable_current_modes
+from torchrig.plugin import PlanningUnsupported
 
 from torchrig_fsdp.pp_plan import PlanStage
 
@@ -125,13 +126,19 @@ class BoundaryProbe:
             if self._unsplit is None or self._build is None:
                 raise ValueError("pipeline planning: no meta copy of the unsplit model was kept to probe the stage "
                                  "boundaries of a user split")
-            with _disable_current_modes(), torch.no_grad():  # meta tensors only: nothing recorded or allocated
-                value: tuple[torch.Tensor, ...] = (torch.zeros(tuple(ids.shape), dtype=ids.dtype, device="meta"),)
-                outputs = []
-                for index in range(last + 1):
-                    stage = self._build(copy.deepcopy(self._unsplit), index)
-                    value = _as_tuple(stage(*value))
-                    outputs.append(tuple(_meta_like(t) for t in value))
+            outputs = []
+            try:
+                with _disable_current_modes(), torch.no_grad():  # meta tensors only: nothing recorded or allocated
+                    value: tuple[torch.Tensor, ...] = (torch.zeros(tuple(ids.shape), dtype=ids.dtype, device="meta"),)
+                    for index in range(last + 1):
+                        stage = self._build(copy.deepcopy(self._unsplit), index)
+                        value = _as_tuple(stage(*value))
+                        outputs.append(tuple(_meta_like(t) for t in value))
+            except Exception as exc:  # noqa: BLE001 — whatever the user's model raises on the meta device
+                raise PlanningUnsupported(
+                    f"pipeline stage {len(outputs)}: the tensors it passes on cannot be found on the meta device (the "
+                    f"plan runs the stages before this rank's on a meta copy of the unsplit model): "
+                    f"{type(exc).__name__}: {exc}") from exc
             self._cache[key] = outputs
         return self._cache[key]
 
@@ -155,4 +162,14 @@ def planned_stages(stages: list[tuple[int, torch.nn.Module]], boundaries: dict[i
     return planned
 
 
-__all__ = ["BoundaryProbe", "planned_class", "planned_stages"]
+def run_planned(step: Callable[[], None]) -> None:
+    """``step``: the planned schedule's step. A boundary that differs from what was probed (torch's run-time
+    validation) is a limit of the plan, not a failure of the target run."""
+    try:
+        step()
+    except PipeliningMetadataError as exc:
+        raise PlanningUnsupported(f"pipeline planning: a stage passed other tensors than the plan found for its "
+                                  f"boundary ({exc}); the plan supports plain tensors between stages") from exc
+
+
+__all__ = ["BoundaryProbe", "planned_class", "planned_stages", "run_planned"]
