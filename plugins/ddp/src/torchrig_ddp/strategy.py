@@ -12,10 +12,13 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
-from torchrig.plugin import Capabilities, PreparedModel, RunContext, StepPlanBuilder, hookimpl
+from torchrig.plugin import Capabilities, PlanningUnsupported, PreparedModel, RunContext, StepPlanBuilder, hookimpl
 
+from torchrig_ddp.constants import POWER_SGD_HOOKS
 from torchrig_ddp.options import DistributedDataParallelKwargs
+from torchrig_ddp.planning import PlannedDistributedDataParallel
 
 
 class DDPStrategy:
@@ -30,7 +33,7 @@ class DDPStrategy:
     ) -> PreparedModel:
         assert run.device is not None
         device = run.device.device
-        if device_placement:
+        if device_placement and not run.planning:  # a planned model stays on the meta device
             model.to(device)
         prepared = PreparedModel(model=model, unwrapped=model, optimizers=list(optimizers), schedulers=list(schedulers))
         if run.cluster.world_size <= 1:
@@ -38,6 +41,9 @@ class DDPStrategy:
         if not any(p.requires_grad for p in model.parameters()):
             return prepared  # a frozen model (teacher, EMA): DDP refuses it and it needs no gradient sync
         options = run.section(DistributedDataParallelKwargs)
+        if run.planning:
+            prepared.model = _planning_stand_in(model, options)
+            return prepared
         extra: dict[str, Any] = {}
         if not options.broadcast_buffers:
             # torch 2.13 deprecates the argument, but only `broadcast_buffers=False` also skips the
@@ -62,9 +68,28 @@ class DDPStrategy:
     @hookimpl
     def torchrig_strategy_step_plan(self, run: RunContext, plan: StepPlanBuilder) -> None:
         def no_sync(model: Any) -> Any:
-            return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+            if isinstance(model, (DistributedDataParallel, PlannedDistributedDataParallel)):
+                return model.no_sync()
+            return contextlib.nullcontext()
 
         plan.set("no_sync", no_sync)
+
+
+def _planning_stand_in(model: Any, options: DistributedDataParallelKwargs) -> PlannedDistributedDataParallel:
+    """``torchrig plan``: what DistributedDataParallel(model, ...) would communicate, on the meta device
+    (:mod:`torchrig_ddp.planning`). Options that change no traffic (``dim``, ``check_reduction``) need nothing;
+    ``gradient_as_bucket_view`` changes where gradients live, which the stand-in follows."""
+    if options.comm_hook in POWER_SGD_HOOKS:
+        raise PlanningUnsupported(
+            f"strategy 'ddp' with ddp_config.comm_hook {options.comm_hook!r} is not planned: PowerSGD all-reduces "
+            "whole buckets for its first start_powerSGD_iter steps, then low-rank factors per matrix whose sizes "
+            "depend on the rank and the compression filter; plan with comm_hook no (its warm-up traffic) instead")
+    compress = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(options.comm_hook))
+    return PlannedDistributedDataParallel(
+        model, process_group=None, bucket_cap_mb=options.bucket_cap_mb,
+        find_unused_parameters=options.find_unused_parameters, static_graph=options.static_graph,
+        gradient_as_bucket_view=options.gradient_as_bucket_view, broadcast_buffers=options.broadcast_buffers,
+        compress_to=compress)
 
 
 def _register_comm_hook(ddp: DistributedDataParallel, hook: str, wrapper: str, state_options: dict[str, Any]) -> None:
