@@ -206,3 +206,17 @@ def test_a_user_split_whose_boundaries_cannot_be_probed_on_the_meta_device_is_a_
     assert plan.error is None and plan.layout.coordinates["pp"] == 1
     assert plan.unsupported.startswith("pipeline stage 0: the tensors it passes on cannot be found on the meta device")
     assert "meta" in plan.unsupported.split(": ", 2)[-1]  # torch's own reason follows
+
+
+def test_a_pipeline_x_tensor_parallel_stage_in_bf16_receives_what_its_fsdp_root_returns(tmp_path):
+    # pp 2 x tp 2 x dp_shard 2, bf16: the stage root's policy returns fp32 (output_dtype), so the hidden states
+    # cross stages in fp32; the layers' tensor-parallel all-reduces run inside the stage
+    report = plan_run(PlanInputs(model=_llama(tmp_path, layers=2), batch_size=4, seq_len=SEQ, ranks=(4,),
+                                 environment=_config(tmp_path, {"pp_size": 2, "tp_size": 2, "dp_shard_size": 2})
+                                 | {"TORCHRIG_MIXED_PRECISION": "bf16"}), PlanTarget(1, 8), recorded_step)
+    (plan,) = report.ranks
+    assert plan.error is None and plan.unsupported is None, plan.error
+    assert plan.layout.coordinates == {"pp": 1, "dp_shard": 0, "tp": 0} and plan.layout.mixed_precision == "bf16"
+    boundary = 2 * SEQ * HIDDEN * 4
+    assert _pp(plan.step, "recv") == (2, 2 * boundary) and _pp(plan.step, "send") == (2, 2 * boundary)
+    assert _count(plan.step, "tp", "all_reduce") > 0
