@@ -25,6 +25,10 @@ hidden_size)``; a user split (``pp_split_points``/``pp_split_fn``) is probed: th
 one are rebuilt by the same split from a meta-device copy of the unsplit model (kept at ``prepare``
 when planning) and chained on a meta micro-batch. Floating tensors then take the dtype the stage's
 FSDP2 root returns (its policy's ``output_dtype``, else ``param_dtype``).
+
+Seams of torch 2.13 this relies on (private, checked by plugins/fsdp/tests/test_pipeline_planning.py):
+``_PipelineSchedule._warmup_p2p``, ``PipelineStage._inference_mode`` and ``_runtime_validate``, an FSDP2
+module's ``_get_fsdp_state()._mp_policy``.
 """
 
 from __future__ import annotations
