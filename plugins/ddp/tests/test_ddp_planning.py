@@ -126,7 +126,9 @@ def _plan(tmp_path, ddp_config, step=recorded_step):
 
 @pytest.mark.parametrize("comm_hook", ["no", "fp16"])
 def test_a_planned_ddp_run_at_64_ranks_all_reduces_every_gradient_once_in_its_step(tmp_path, comm_hook):
-    plan = _plan(tmp_path, {"comm_hook": comm_hook, "gradient_as_bucket_view": comm_hook == "fp16"})
+    compressed = comm_hook == "fp16"  # with the other options that change what DDP sends or holds
+    plan = _plan(tmp_path, {"comm_hook": comm_hook, "gradient_as_bucket_view": compressed,
+                            "broadcast_buffers": not compressed})
     assert plan.error is None and plan.unsupported is None
     assert plan.layout.strategy == "ddp" and plan.layout.local_parameters == plan.layout.total_parameters
     gradient_bytes = plan.layout.parameter_bytes["float32"]
@@ -134,6 +136,9 @@ def test_a_planned_ddp_run_at_64_ranks_all_reduces_every_gradient_once_in_its_st
     assert all_reduce.axis == "world" and all_reduce.group_size == 64
     assert all_reduce.payload_bytes == (gradient_bytes if comm_hook == "no" else gradient_bytes // 2)
     assert plan.step.memory.by_category["gradients"] == gradient_bytes
+    # the rotary embedding's inv_freq buffer, broadcast from rank 0 before the forward unless turned off
+    broadcasts = [c for c in plan.step.collectives if c.kind == "broadcast"]
+    assert [c.count for c in broadcasts] == ([] if compressed else [1])
 
 
 def test_a_planned_ddp_run_with_power_sgd_is_unsupported_by_name(tmp_path):

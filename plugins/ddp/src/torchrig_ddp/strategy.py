@@ -4,6 +4,9 @@ DDP owns nothing the core cares about except gradient synchronisation: the preci
 autocast and GradScaler apply unchanged, checkpoints are plain state dicts written by the main
 process (the core's default), and accumulation uses DDP's ``no_sync()`` on the micro-steps, so
 those make no gradient communication and the step that syncs makes one round.
+
+Under ``torchrig plan`` (``run.planning``) no ``DistributedDataParallel`` is built (its reducer needs
+real storage) and nothing moves: :mod:`torchrig_ddp.planning`'s stand-in issues the same collectives.
 """
 
 from __future__ import annotations
