@@ -20,9 +20,10 @@ WIDTH = 384  # a 384x384 fp32 weight is 576 KiB: several buckets at 1-2 MiB caps
 
 class _OutOfOrder(nn.Module):
     """Layers used in another order than defined (DDP's rebuild follows the gradients, not the definition),
-    a bias-free layer, a buffer (broadcast before each forward) and, optionally, an unused layer."""
+    a bias-free layer, a buffer (broadcast before each forward) and, optionally, an unused layer and bf16
+    layers among fp32 ones (DDP buckets each dtype apart)."""
 
-    def __init__(self, unused: bool = False) -> None:
+    def __init__(self, unused: bool = False, bf16_layers: bool = False) -> None:
         super().__init__()
         self.first = nn.Linear(WIDTH, WIDTH)
         self.late = nn.Linear(WIDTH, WIDTH, bias=False)
@@ -31,12 +32,14 @@ class _OutOfOrder(nn.Module):
         self.head = nn.Linear(WIDTH, 8)
         self.unused = nn.Linear(WIDTH, WIDTH) if unused else None
         self.register_buffer("scale", torch.ones(WIDTH))
+        if bf16_layers:
+            self.middle.to(torch.bfloat16)
+            self.blocks[1].to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.first(x)) * self.scale
-        x = torch.relu(self.middle(x))
-        for block in reversed(self.blocks):
-            x = torch.relu(block(x))
+        for layer in (self.middle, *reversed(self.blocks)):
+            x = torch.relu(layer(x.to(layer.weight.dtype))).float()
         return self.head(self.late(x))
 
 
@@ -64,6 +67,7 @@ def _step_collectives(model: nn.Module, *, sync: bool = True) -> list[tuple[str,
 
 CASES = {  # DDP arguments, comm hook
     "bucket_cap_mb=1": (dict(bucket_cap_mb=1), None),
+    "bucket_cap_mb=1, bf16 and fp32 layers": (dict(bucket_cap_mb=1), None),
     "bucket_cap_mb=2, fp16 hook": (dict(bucket_cap_mb=2), default_hooks.fp16_compress_hook),
     "DDP's default caps (1 MiB first bucket, then 25 MiB)": (dict(bucket_cap_mb=None), None),
     "find_unused_parameters, bucket_cap_mb=1": (dict(bucket_cap_mb=1, find_unused_parameters=True), None),
@@ -74,9 +78,8 @@ CASES = {  # DDP arguments, comm hook
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_stand_in_issues_the_buckets_of_a_real_ddp_in_its_steady_step(one_rank_group, case):
     arguments, hook = CASES[case]
-    unused = arguments.get("find_unused_parameters", False)
-    torch.manual_seed(0)
-    real = nn.parallel.DistributedDataParallel(_OutOfOrder(unused), **arguments)
+    model = dict(unused=arguments.get("find_unused_parameters", False), bf16_layers="bf16" in case)
+    real = nn.parallel.DistributedDataParallel(_OutOfOrder(**model), **arguments)
     if hook is not None:
         real.register_comm_hook(None, hook)
     # the first step reduces one bucket of everything; the next (the third with static_graph) rebuilds the
@@ -87,13 +90,13 @@ def test_the_stand_in_issues_the_buckets_of_a_real_ddp_in_its_steady_step(one_ra
     logged = real._get_ddp_logging_data()
 
     stand_in = PlannedDistributedDataParallel(
-        _OutOfOrder(unused), compress_to=torch.float16 if hook is not None else None, **arguments)
+        _OutOfOrder(**model), compress_to=torch.float16 if hook is not None else None, **arguments)
     first = _step_collectives(stand_in)
     assert first == expected  # the steady step's collectives from the very first step: kind, bytes, phase, order
     assert _step_collectives(stand_in) == expected  # and every step after
     all_reduces = [nbytes for kind, nbytes, _ in expected if kind == "all_reduce"]
     assert len(all_reduces) >= 2 and all(phase == "backward" for kind, _, phase in expected if kind == "all_reduce")
-    if unused:  # DDP does not rebuild: its construction-time buckets, in reverse definition order
+    if model["unused"]:  # DDP does not rebuild: its construction-time buckets, in reverse definition order
         assert not logged["has_rebuilt_buckets"]
         assert stand_in.bucket_bytes == [int(size) for size in str(logged["bucket_sizes"]).split(", ")]
     else:
