@@ -142,11 +142,13 @@ def test_a_user_split_is_planned_interleaved_with_its_probed_boundaries(tmp_path
 # ------------------------------------------------------------------------ calibration: a real 4-rank step
 
 CALIBRATED = {"pp_size": 2, "dp_shard_size": 2, "pp_split_points": ["layers.2"], "pp_schedule": "1F1B"}
+#: bf16: the boundary's dtype is the stage root's output_dtype (fp32), which the plan must find
+PRECISION = "bf16"
 PER_RANK = 4  # two micro-batches of 2 samples
 
 
 def _real_pipelined_step(ctx) -> dict[tuple[str, str], tuple[int, int]]:
-    """On each gloo rank (pp 2 x dp_shard 2, PipeLM): a first step (torch's warm-up and metadata exchange), then
+    """On each gloo rank (pp 2 x dp_shard 2, PipeLM, bf16): a first step (torch's warm-up and metadata exchange), then
     a steady step recorded — (axis, kind) -> (count, payload bytes)."""
     import torch
     from torchrig import Accelerator, ParallelismConfig
@@ -156,7 +158,8 @@ def _real_pipelined_step(ctx) -> dict[tuple[str, str], tuple[int, int]]:
     from torchrig.testing.models import PipeLM, lm_data
 
     with rank_environment(ctx.rank, ctx.world_size):
-        accelerator = Accelerator(cpu=True, strategy="fsdp", parallelism_config=ParallelismConfig(**CALIBRATED))
+        accelerator = Accelerator(cpu=True, strategy="fsdp", mixed_precision=PRECISION,
+                                  parallelism_config=ParallelismConfig(**CALIBRATED))
         model = PipeLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -180,10 +183,11 @@ def _real_pipelined_step(ctx) -> dict[tuple[str, str], tuple[int, int]]:
 def test_a_planned_pipeline_rank_issues_what_a_real_4_rank_step_does(tmp_path, pipe_lm, gloo_pool4):
     real = gloo_pool4.run(_real_pipelined_step, timeout=180)
     report = plan_run(PlanInputs(model=pipe_lm, batch_size=PER_RANK, seq_len=8, optimizer="adamw",
-                                 environment=_config(tmp_path, CALIBRATED)), PlanTarget(1, 4), recorded_step)
+                                 environment=_config(tmp_path, CALIBRATED) | {"TORCHRIG_MIXED_PRECISION": PRECISION}),
+                      PlanTarget(1, 4), recorded_step)
     assert [plan.rank for plan in report.ranks] == [0, 2]  # the first rank of each stage (mesh pp x dp_shard)
     for plan in report.ranks:
-        assert plan.error is None, plan.error
+        assert plan.error is None and plan.layout.mixed_precision == PRECISION, plan.error
         planned = {(s.axis, s.kind): (s.count, s.payload_bytes) for s in plan.step.collectives}
         assert planned == real[plan.rank], plan.rank
 
