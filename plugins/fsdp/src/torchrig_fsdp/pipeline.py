@@ -295,12 +295,13 @@ class PipelineParallel(torch.nn.Module):
             stage.submod.train(mode)
         return self
 
-    def _planned_schedule(self, target: torch.Tensor) -> tuple[Any, list[Any]]:
+    def _planned_schedule(self, batch: torch.Tensor) -> tuple[Any, list[Any]]:
         """A planned run's schedule and stages for this batch shape: torch's, in static mode
-        (:mod:`torchrig_fsdp.pp_planning`), the boundaries found for one micro-batch of ``target``'s shape."""
+        (:mod:`torchrig_fsdp.pp_planning`), the boundaries found for one micro-batch of ``batch``
+        (the first stage's input; every rank of a loop is given it)."""
         assert self._planning is not None
         probe, name, loss_fn = self._planning
-        micro = torch.empty((target.shape[0] // self.microbatches, *target.shape[1:]), dtype=target.dtype,
+        micro = torch.empty((batch.shape[0] // self.microbatches, *batch.shape[1:]), dtype=batch.dtype,
                             device="meta")
         key = tuple(micro.shape)
         if key not in self._planned:
@@ -322,8 +323,11 @@ class PipelineParallel(torch.nn.Module):
         if batch is not None and batch % self.microbatches:
             raise ValueError(f"parallelism_config.pp_microbatches: the batch of {batch} samples does not split into "
                              f"{self.microbatches} micro-batches; make the batch size a multiple of it")
-        if self._planning is not None and torch.is_tensor(target):
-            schedule, stages = self._planned_schedule(target)
+        if self._planning is not None:
+            given = next((value for value in (*args, target) if torch.is_tensor(value)), None)
+            if given is None:
+                raise ValueError("a planned pipeline step needs the batch's token ids (or target) as a tensor")
+            schedule, stages = self._planned_schedule(given)
         inputs = args if first else ()
         extra = kwargs if first else {}
         losses: list[torch.Tensor] = []
