@@ -96,9 +96,16 @@ def test_llama_70b_fsdp_x_tp_on_256_gpus_with_activation_checkpointing(tmp_path)
     assert found[("tp", "all_reduce")].group_size == 8 and found[("dp_shard", "all_gather")].group_size == 32
 
 
-def test_llama_70b_pipeline_x_fsdp_x_tp_on_1024_gpus_lays_out_every_stage(tmp_path):
+def test_llama_70b_pipeline_x_fsdp_x_tp_on_1024_gpus_plans_every_stage(tmp_path):
     report = plan(tmp_path, "llama-3.1-70b", 1024, {"pp_size": 4, "dp_shard_size": 32, "tp_size": 8},
-                  step=False, batch_size=4)
+                  batch_size=4, seq_len=2048)
+    assert failures(report, gpu_spec("h100-sxm")) == []
+    for rank in report.ranks:  # activations sent forward and their gradients back, per micro-batch
+        found = collectives(rank)
+        assert ("pp", "send") in found and ("pp", "recv") in found
+        assert found[("tp", "all_reduce")].group_size == 8
+    peaks = [rank.step.memory.peak_bytes for rank in report.ranks]
+    assert peaks[0] > peaks[1]  # 1F1B: the first stage holds the most micro-batches in flight
     assert [rank.layout.coordinates["pp"] for rank in report.ranks] == [0, 2, 3]
     assert [rank.rank for rank in report.ranks] == [0, 512, 768]
     first, middle, last = (rank.layout.local_parameters for rank in report.ranks)

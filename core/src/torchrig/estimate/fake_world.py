@@ -19,6 +19,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch.distributed as dist
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchrig.distributed.process_group import FAKE_BACKEND
@@ -56,6 +57,9 @@ def fake_world(world_size: int, rank: int, *, local_world_size: int) -> Iterator
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor's sharding-propagation cache compares meshes by value: the next fake world's equal
+        # mesh would find specs that point at this world's destroyed groups
+        _clear_sharding_prop_cache()
 
 
 def in_fake_world() -> bool:

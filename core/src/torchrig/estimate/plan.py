@@ -268,11 +268,15 @@ def fake_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch
     (``StepPhases``; labelled ``"forward"``, a stage's backward FLOPs and gradient collectives were
     counted as forward ones — tests/estimate/test_plan_calibration.py); with a ``cp`` axis, forward and
     backward run inside ``accelerator.maybe_context_parallel`` over the batch's sequence dimension."""
-    made = example_inputs(accelerator.unwrap_model(model), inputs.batch_size, inputs.seq_len)
+    pp = accelerator.device_submeshes.get("pp")
+    if pp is not None and pp.size() > 1:  # the pipeline's input is token ids, whatever this rank's stage takes
+        ids = torch.zeros(inputs.batch_size, inputs.seq_len, dtype=torch.long)
+        made: tuple[tuple[Any, ...], dict[str, Any]] | str = (), {"input_ids": ids, "labels": ids}
+    else:
+        made = example_inputs(accelerator.unwrap_model(model), inputs.batch_size, inputs.seq_len)
     if isinstance(made, str):
         raise PlanError(made)
     args, kwargs = made
-    pp = accelerator.device_submeshes.get("pp")
     sequence = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor) and value.dim() >= 2]
     # context parallel: what a CP loop does, the batch's sequence dimension sharded over cp around
     # forward and backward (a no-op without a cp axis)
@@ -301,6 +305,18 @@ def _axes_across_nodes(axes: Mapping[str, str], processes_per_machine: int) -> d
     return placed
 
 
+def _follow_replaced_parameters(optimizers: Sequence[torch.optim.Optimizer], before: Mapping[str, Any],
+                                after: Mapping[str, Any]) -> None:
+    """``to_empty`` replaces plain parameters with new objects (DTensor ones are swapped in place):
+    the optimizers' groups are pointed at the new ones, by name, so their state is created and counted."""
+    replaced = {id(old): after[name] for name, old in before.items() if name in after and after[name] is not old}
+    if not replaced:
+        return
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [replaced.get(id(parameter), parameter) for parameter in group["params"]]
+
+
 def _create_optimizer_state(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """One unrecorded optimizer step on zero gradients, so the recorded step is a steady one: its
     optimizer state exists from the start (a first step creates it lazily, inside ``step()``, so its
@@ -326,7 +342,9 @@ def recorded_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: t
     optimizers = [getattr(optimizer, "optimizer", optimizer)]
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
         warnings.simplefilter("ignore")  # backward-hook and view warnings of fake outputs
+        before = dict(unwrapped.named_parameters())
         unwrapped.to_empty(device="cpu")
+        _follow_replaced_parameters(optimizers, before, dict(unwrapped.named_parameters()))
         _create_optimizer_state(unwrapped, optimizers)
         memory = track_step_memory(unwrapped, optimizers)
         with memory, StepRecorder(axes) as recorder:
