@@ -7,7 +7,6 @@ import json
 
 import pytest
 import yaml
-
 from torchrig.cli.main import main
 from torchrig.testing import hf_models
 
