@@ -164,7 +164,8 @@ def mutated_files(draw) -> tuple[Any, bytes]:
     if isinstance(header, Raw):  # a flipped byte: keep it byte-exact (no re-encoding of \xff)
         text = str(header).encode("latin-1")
         text += b" " * (-len(text) % 8)
-        raw = struct.pack("<Q", len(text) + length_delta) + text + data
+        # an unsigned length: a shortened empty header declares 0
+        raw = struct.pack("<Q", max(0, len(text) + length_delta)) + text + data
     return header, raw
 
 
