@@ -4,8 +4,9 @@ ranks through torchrig's own ``Accelerator`` and strategy.
 
 Both sides read the same run file (``TORCHRIG_CONFIG_FILE``), build the same tiny transformers Llama
 from the same config.json (real weights on the real ranks, the meta device in the plan), use the plan's
-AdamW and the same batch shape, create the optimizer state with one unrecorded step on zero gradients
-(as ``recorded_step`` does) and record one steady step with the same recorder
+AdamW and the same batch shape, and record a steady step (the plan creates the optimizer state with one
+unrecorded step on zero gradients; the real ranks train two unrecorded steps, which also lets a pipeline
+exchange its stages' shapes and DDP rebuild its buckets) with the same recorder
 (:class:`~torchrig.estimate.recorder.StepRecorder`) and memory tracker
 (:func:`~torchrig.estimate.step_memory.track_step_memory`). The real step is written as a training loop
 writes it (``model(input_ids=..., labels=...).loss``, ``accelerator.backward``, ``optimizer.step``), not
@@ -13,9 +14,16 @@ with the plan's own ``fake_step``, so a difference between the planned and the r
 
 Asserted per layout, on each planned rank (rank 0; and the last pipeline stage's first rank for PP):
 collective summaries equal exactly (kind, axis, group size, count, payload and wire bytes), FLOPs per
-phase equal, peak memory and each category within 10%. Measured (torch 2.13, CPU) predicted / measured:
-FSDP2, FSDP2×TP and HSDP are 1.000 on the peak and on every category (equal to the byte). The numbers
-are in docs/plan.md, "Calibration on 4 CPU ranks".
+phase equal, peak memory and each category within 10%. Measured (torch 2.13, transformers 5.24, CPU),
+predicted / measured: FSDP2, FSDP2×TP and HSDP 1.000 on the peak and on every category (equal to the
+byte); PP×DP peak 1.038 on rank 0 (258,184 / 248,840 B) and 1.009 on rank 2 (277,784 / 275,224 B), every
+category equal but activations, 1.081 and 1.055: under ``FakeTensorMode`` transformers cannot tell that
+the position ids of a pipeline stage (no cache) are not packed (``find_packed_sequence_indices``), so the
+planned stage builds a causal mask and repeats K/V where the real one calls SDPA with ``is_causal`` and
+``enable_gqa``; and the real tracker sees the first stage's gradient receive buffers (allocated by the
+warm-up step) only once they are used, the plan from their allocation. DDP: collectives and FLOPs equal,
+peak 0.925 (568,952 / 615,420 B) but its split differs (:data:`KNOWN_MEMORY_DIFFERENCES`, an expected
+failure that fails when fixed). The numbers are in docs/plan.md, "Calibration on 4 CPU ranks".
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from torchrig.testing.contracts import rank_environment
 from torchrig.testing.pool import WorkerContext
 
 WORLD, BATCH, SEQ, OPTIMIZER = 4, 4, 8, "adamw"
-MEASURED_STEPS = 5
+WARM_UP_STEPS, MEASURED_STEPS = 2, 5
 TIMEOUT = 300
 
 #: layout -> its run file's contents. PP × DP is planned on rank 0 and on rank 2 (the last stage's first rank).
@@ -52,6 +60,14 @@ PLANNING_NEEDS = {
     "ddp": "the ddp plugin's planning stand-in (plugins/ddp/src/torchrig_ddp/planning.py: DDP's C++ reducer "
            "cannot wrap meta parameters)",
     "pp_dp": "the fsdp plugin's planning step for pipelines (plugins/fsdp/src/torchrig_fsdp/pipeline.py)",
+}
+
+#: Memory differences between a layout's plan and its real step, found by this test and not fixed here.
+KNOWN_MEMORY_DIFFERENCES = {
+    "ddp": "the ddp plugin's planning stand-in (plugins/ddp/src/torchrig_ddp/planning.py, _reduce) allocates a bucket's "
+           "flat buffer when its last gradient is ready in the first planned backward; the real reducer's buckets "
+           "exist from construction and take each gradient as it is ready, so the planned backward peak lacks them "
+           "(107,136 B here) and the planned peak falls in the optimizer phase",
 }
 
 
@@ -121,7 +137,10 @@ def _measured_step(files: dict[str, str], layout: str) -> list[dict[str, Any]]:
             optimizer.step()
             optimizer.zero_grad()
 
-        train_step()  # unrecorded: the optimizer state exists and a pipeline has exchanged its stages' shapes
+        # unrecorded: the optimizer state exists, a pipeline has exchanged its stages' shapes (first step)
+        # and DDP has rebuilt its buckets (second forward: a one-time broadcast of rank 0's bucket order)
+        for _ in range(WARM_UP_STEPS):
+            train_step()
         mesh = accelerator.torch_device_mesh
         axes = mesh_axes(mesh) if mesh is not None else {}
         steps = []
@@ -173,5 +192,10 @@ def test_the_plan_predicts_what_a_real_4_rank_step_does(layout: str, predictions
         memory = min((step["memory"] for step in steps), key=lambda m: m["peak_bytes"])
         assert predicted.memory.peak_bytes == pytest.approx(memory["peak_bytes"], rel=0.10), where
         assert predicted.memory.by_category.keys() == memory["by_category"].keys()
-        for category, nbytes in memory["by_category"].items():
-            assert predicted.memory.by_category[category] == pytest.approx(nbytes, rel=0.10), f"{where}: {category}"
+        off = {category: (predicted.memory.by_category[category], nbytes)
+               for category, nbytes in memory["by_category"].items()
+               if predicted.memory.by_category[category] != pytest.approx(nbytes, rel=0.10)}
+        if layout in KNOWN_MEMORY_DIFFERENCES:  # still differs (when it is fixed, this fails: drop the entry)
+            assert off, f"{where}: the known difference is gone ({KNOWN_MEMORY_DIFFERENCES[layout]})"
+            pytest.xfail(f"{where}: {KNOWN_MEMORY_DIFFERENCES[layout]}; (planned, measured) bytes: {off}")
+        assert not off, f"{where}: categories beyond 10%, (planned, measured) bytes: {off}"
