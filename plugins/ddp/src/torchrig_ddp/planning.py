@@ -85,6 +85,9 @@ class PlannedDistributedDataParallel(torch.nn.Module):
         self._sync_backward = False
         self._pass: _BackwardPass | None = None
         self._bucket_buffers: dict[tuple[int, ...], torch.Tensor] = {}
+        #: Until the bucket buffers exist: storage of their size, as the reducer holds its buckets from
+        #: construction (before the first backward fixes the assignment).
+        self._reserved: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ what DDP offers
 
@@ -134,6 +137,8 @@ class PlannedDistributedDataParallel(torch.nn.Module):
         for handle in self._handles:
             handle.remove()
         self._hooked = parameters
+        if not self._bucket_buffers:
+            self._reserve_buckets(parameters)
         self._handles = [parameter.register_post_accumulate_grad_hook(self._ready_hook(index))
                          for index, parameter in enumerate(parameters)]
 
@@ -148,6 +153,27 @@ class PlannedDistributedDataParallel(torch.nn.Module):
 
         return ready
 
+    def _reserve_buckets(self, parameters: Sequence[torch.Tensor]) -> None:
+        """Hold the bytes of every bucket (one tensor per dtype) until the assignment is known."""
+        sizes: dict[torch.dtype, int] = {}
+        for parameter in parameters:
+            if parameter.requires_grad:
+                sizes[parameter.dtype] = sizes.get(parameter.dtype, 0) + parameter.numel()
+        device = parameters[0].device if parameters else None
+        self._reserved = [torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()]
+
+    def _allocate_buckets(self, first: Sequence[int]) -> None:
+        """Every bucket's flat buffer at once (the assignment is known when the first bucket is reduced),
+        the reserved bytes given back."""
+        parameters = self._hooked
+        for bucket in self.bucket_indices or [list(first)]:
+            key = tuple(bucket)
+            if key not in self._bucket_buffers:
+                self._bucket_buffers[key] = torch.empty(sum(parameters[i].numel() for i in bucket),
+                                                        dtype=parameters[bucket[0]].dtype,
+                                                        device=parameters[bucket[0]].device)
+        self._reserved = []
+
     @torch.no_grad()
     def _reduce(self, indices: Sequence[int]) -> None:
         """One bucket: copy its gradients into the bucket's flat buffer (kept across steps, as the
@@ -158,10 +184,9 @@ class PlannedDistributedDataParallel(torch.nn.Module):
         world = dist.get_world_size(group)
         grads = [parameters[i].grad for i in indices]
         key = tuple(indices)
-        flat = self._bucket_buffers.get(key)
-        if flat is None:  # the reducer's bucket: allocated once, kept across steps
-            flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
-            self._bucket_buffers[key] = flat
+        if key not in self._bucket_buffers:  # the reducer's buckets: allocated once, kept across steps
+            self._allocate_buckets(indices)
+        flat = self._bucket_buffers[key]
         offset = 0
         for grad in grads:
             flat[offset:offset + grad.numel()].copy_(grad.reshape(-1))
