@@ -7,6 +7,7 @@ only if the plugin host's registrations changed). Both ask hooks; neither runs p
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 import warnings
@@ -194,6 +195,8 @@ def claim_world(run: RunContext) -> None:
     key = id(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else 0
     runs = _WORLD_RUNS.setdefault(key, weakref.WeakSet())
     strategy = run.config.get("strategy")
+    if any(not other.ended and other.config.get("strategy") != strategy for other in list(runs)):
+        gc.collect()  # a run nobody holds but a reference cycle (an Accelerator dropped mid-test) is no claim
     for other in list(runs):
         # an ended run no longer drives the group (and a destroyed group's id may be reused)
         if not other.ended and other.config.get("strategy") != strategy:
