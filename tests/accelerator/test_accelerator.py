@@ -342,20 +342,22 @@ def test_shuffled_training_is_bit_identical_to_a_hand_written_loop_with_the_same
 
 
 def test_a_second_strategy_on_the_same_world_raises():
+    from torchrig.estimate.fake_world import fake_world
     from torchrig.host.run import RunContext
     from torchrig.host.runtime import claim_world
     from torchrig.testing import make_host, resolved_config
 
     host = make_host()
-    first = RunContext(config=resolved_config({"strategy": "single"}, host=host))
-    claim_world(first)
-    with pytest.raises(RuntimeError, match="already runs an Accelerator with strategy 'single'"):
-        claim_world(RunContext(config=resolved_config({"strategy": "ddp"}, host=host)))
-    del first
-    import gc
-
-    gc.collect()
-    claim_world(RunContext(config=resolved_config({"strategy": "ddp"}, host=host)))  # the first run ended: the world is free
+    with fake_world(2, 0, local_world_size=2):  # a world group to share (torch's fake one: no process)
+        first = RunContext(config=resolved_config({"strategy": "single"}, host=host))
+        claim_world(first)
+        with pytest.raises(RuntimeError, match="already runs an Accelerator with strategy 'single'"):
+            claim_world(RunContext(config=resolved_config({"strategy": "ddp"}, host=host)))
+        del first
+        claim_world(RunContext(config=resolved_config({"strategy": "ddp"}, host=host)))  # the first run ended: the world is free
+    # one process without a group shares nothing: two strategies side by side
+    claim_world(RunContext(config=resolved_config({"strategy": "single"}, host=host)))
+    claim_world(RunContext(config=resolved_config({"strategy": "ddp"}, host=host)))
 
 
 def test_regional_compilation_compiles_each_repeated_block():

@@ -189,10 +189,13 @@ _WORLD_RUNS: dict[int, weakref.WeakSet[RunContext]] = {}
 
 def claim_world(run: RunContext) -> None:
     """Two Accelerators in one process share the world process group; they must agree on the
-    strategy driving it. A second one asking for a different strategy raises."""
+    strategy driving it. A second one asking for a different strategy raises. Without a process
+    group (one process) nothing is shared, and nothing is claimed."""
     import torch.distributed as dist
 
-    key = id(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else 0
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # one process without a group: nothing is shared between its Accelerators
+    key = id(dist.group.WORLD)
     runs = _WORLD_RUNS.setdefault(key, weakref.WeakSet())
     strategy = run.config.get("strategy")
     if any(not other.ended and other.config.get("strategy") != strategy for other in list(runs)):
