@@ -132,14 +132,18 @@ def _normalise(name: str) -> str:
     return name.strip().lower().replace("_", "-").replace(" ", "-")
 
 
+def _lookup(what: str, name: str, table: Mapping[str, Any], aliases: Mapping[str, str]) -> Any:
+    """``table``'s entry for ``name`` (canonical or an alias, any case), or an error naming the known ones."""
+    key = _normalise(name)
+    key = aliases.get(key, key)
+    if key not in table:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(table)} (aliases: {', '.join(sorted(aliases))})")
+    return table[key]
+
+
 def gpu_spec(name: str) -> GpuSpec:
     """The :class:`GpuSpec` of ``name`` (canonical or an alias, any case: ``"H100"`` → h100-sxm)."""
-    key = _normalise(name)
-    key = GPU_ALIASES.get(key, key)
-    if key not in GPUS:
-        raise ValueError(f"unknown GPU kind {name!r}; known: {', '.join(GPUS)} "
-                         f"(aliases: {', '.join(sorted(GPU_ALIASES))})")
-    return GPUS[key]
+    return _lookup("GPU kind", name, GPUS, GPU_ALIASES)
 
 
 @attrs.frozen
@@ -194,12 +198,7 @@ INTERCONNECT_ALIASES = {"ib": "ib-ndr-400", "ndr": "ib-ndr-400", "hdr": "ib-hdr-
 
 def interconnect(name: str) -> Interconnect:
     """The :class:`Interconnect` of ``name`` (canonical or an alias, any case)."""
-    key = _normalise(name)
-    key = INTERCONNECT_ALIASES.get(key, key)
-    if key not in INTERCONNECTS:
-        raise ValueError(f"unknown interconnect {name!r}; known: {', '.join(INTERCONNECTS)} "
-                         f"(aliases: {', '.join(sorted(INTERCONNECT_ALIASES))})")
-    return INTERCONNECTS[key]
+    return _lookup("interconnect", name, INTERCONNECTS, INTERCONNECT_ALIASES)
 
 
 __all__ = ["COLLECTIVE_BASE_S", "GPUS", "GPU_ALIASES", "INTERCONNECTS", "INTERCONNECT_ALIASES", "NETWORK_HOP_S",
