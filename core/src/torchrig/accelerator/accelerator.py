@@ -25,6 +25,7 @@ from torchrig.accelerator.arguments import accelerator_arguments
 from torchrig.accelerator.checkpoints import CheckpointCalls
 from torchrig.accelerator.collectives import CollectiveCalls
 from torchrig.accelerator.context_parallel import context_parallel
+from torchrig.accelerator.observers import prepare_returned
 from torchrig.accelerator.preemption import PreemptionCalls
 from torchrig.accelerator.profiling import profile_options, profile_run
 from torchrig.accelerator.step import StepCalls
@@ -308,6 +309,7 @@ class Accelerator(StepCalls, CheckpointCalls, TrackingCalls, CollectiveCalls, Pr
                                                                  device_placement=placement[d])
             self._dataloaders.append(loader)
             result[d] = loader
+        prepare_returned(self, args, tuple(result))
         return result[0] if len(result) == 1 else tuple(result)
 
     def prepare_model(self, model: Any, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
