@@ -25,7 +25,7 @@ from torchrig.accelerator.arguments import accelerator_arguments
 from torchrig.accelerator.checkpoints import CheckpointCalls
 from torchrig.accelerator.collectives import CollectiveCalls
 from torchrig.accelerator.context_parallel import context_parallel
-from torchrig.accelerator.observers import prepare_returned
+from torchrig.accelerator.observers import prepare_returned, prepare_started
 from torchrig.accelerator.preemption import PreemptionCalls
 from torchrig.accelerator.profiling import profile_options, profile_run
 from torchrig.accelerator.step import StepCalls
@@ -245,6 +245,7 @@ class Accelerator(StepCalls, CheckpointCalls, TrackingCalls, CollectiveCalls, Pr
         if device_placement is not None and len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         placement = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
+        prepare_started(self, args)
         result: list[Any] = list(args)
         models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
         # A prepared optimizer is a torch Optimizer too (as Accelerate's is): returned as it is, never wrapped twice.

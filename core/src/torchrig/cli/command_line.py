@@ -8,6 +8,7 @@ import argparse
 from typing import NoReturn
 
 from torchrig.errors import TorchrigError
+from torchrig.estimate.plan_command import positive_int  # one definition; the plan's flags take it too
 
 
 class UsageError(TorchrigError):
@@ -19,17 +20,6 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
-def positive_int(text: str) -> int:
-    """An ``argparse`` type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
 __all__ = ["CommandParser", "UsageError", "positive_int"]

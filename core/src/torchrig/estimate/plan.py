@@ -35,6 +35,7 @@ from torchrig.estimate.costs import CollectiveSummary, OpCost
 from torchrig.estimate.fake_world import fake_world, world_environment
 from torchrig.estimate.memory_model import build_on_meta, example_inputs, resolve_model, training_loss
 from torchrig.estimate.recorder import StepRecorder, mesh_axes
+from torchrig.estimate.script_run import ScriptError, ScriptTarget, run_until_prepared
 from torchrig.estimate.step_memory import StepMemory, track_step_memory
 from torchrig.utils.environment import patch_environment
 
@@ -83,6 +84,9 @@ class PlanInputs:
     environment: Mapping[str, str] = attrs.field(factory=dict)
     #: Ranks to plan instead of :func:`representative_ranks`.
     ranks: tuple[int, ...] | None = None
+    #: Plan what this script prepares (run up to its ``prepare``: :mod:`torchrig.estimate.script_run`)
+    #: instead of building ``model``; ``optimizer`` then only stands in for one the script prepares later.
+    script: ScriptTarget | None = None
 
 
 @attrs.frozen
@@ -215,46 +219,93 @@ def _describe(stage: str, exc: BaseException) -> str:
 def plan_rank(inputs: PlanInputs, target: PlanTarget, rank: int,
               step: Callable[[Accelerator, torch.nn.Module, torch.optim.Optimizer, PlanInputs], Any] | None = None
               ) -> tuple[RankPlan, Any]:
-    """Plan one rank in a fake world of the target's size: the Accelerator, ``prepare`` of the model
-    built on the meta device, and (``step``) the recorded fake step. Returns the plan and the
-    rank's mesh rank array (for :func:`representative_ranks`), ``None`` without a mesh."""
+    """Plan one rank in a fake world of the target's size: the Accelerator and ``prepare`` of the model
+    built on the meta device (or what ``inputs.script`` prepares), and (``step``) the recorded fake
+    step. Returns the plan and the rank's mesh rank array (for :func:`representative_ranks`), ``None``
+    without a mesh."""
     started = time.perf_counter()
-    name, build = resolve_model(inputs.model)
     if inputs.optimizer not in PLAN_OPTIMIZERS:
         raise PlanError(f"optimizer {inputs.optimizer!r} is not one the plan builds; choose one of "
                         f"{', '.join(sorted(PLAN_OPTIMIZERS))}")
-    where = "Accelerator()"
-    layout_array = None
+    build = None if inputs.script is not None else resolve_model(inputs.model)
+    stage = _Stage("Accelerator()")
     layout: RankLayout | None = None
     accelerator: Accelerator | None = None
     launched = world_environment(target.world_size, rank, target.processes_per_machine)
     with patch_environment(**launched, **inputs.environment), fake_world(
             target.world_size, rank, local_world_size=target.processes_per_machine):
         try:
-            accelerator = Accelerator(cpu=True)
-            mesh = accelerator.torch_device_mesh
-            layout_array = mesh.mesh.clone() if mesh is not None else None
-            where = "building the model"
-            model = build_on_meta(build, name)
-            optimizer = PLAN_OPTIMIZERS[inputs.optimizer](model.parameters())
-            where = "accelerator.prepare(model, optimizer)"
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch's and transformers' warnings about meta tensors
-                model, optimizer = accelerator.prepare(model, optimizer)
+            if build is not None:
+                accelerator, model, optimizer = _prepare_model(build, inputs, stage)
+            else:
+                assert inputs.script is not None
+                accelerator, model, optimizer = _prepare_script(inputs.script, inputs, stage)
             layout = _layout(rank, accelerator, accelerator.unwrap_model(model))
             recording = None
             if step is not None:
-                where = "the training step"
+                stage.now = "the training step"
                 recording = step(accelerator, model, optimizer, inputs)
         except PlanningUnsupported as exc:  # the layout, when it got that far, still stands
             return RankPlan(rank=rank, layout=layout, unsupported=str(exc),
-                            seconds=time.perf_counter() - started), layout_array
+                            seconds=time.perf_counter() - started), stage.layout_array
+        except ScriptError as exc:
+            return RankPlan(rank=rank, error=f"{exc.where}: {exc}", seconds=time.perf_counter() - started), \
+                stage.layout_array
         except Exception as exc:  # noqa: BLE001 — the planned run's failure is the plan's finding
-            return RankPlan(rank=rank, error=_describe(where, exc), seconds=time.perf_counter() - started), layout_array
+            return RankPlan(rank=rank, error=_describe(stage.now, exc),
+                            seconds=time.perf_counter() - started), stage.layout_array
         finally:
+            if accelerator is None and stage.accelerator is not None:
+                accelerator = stage.accelerator
             if accelerator is not None:
                 accelerator.end_training()
-    return RankPlan(rank=rank, layout=layout, step=recording, seconds=time.perf_counter() - started), layout_array
+    return RankPlan(rank=rank, layout=layout, step=recording, seconds=time.perf_counter() - started), stage.layout_array
+
+
+@attrs.define
+class _Stage:
+    """Where a rank's planning got to (its error names it), and what it holds so far."""
+
+    now: str
+    accelerator: Accelerator | None = None
+    layout_array: Any = None
+
+    def adopt(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+        mesh = accelerator.torch_device_mesh
+        self.layout_array = mesh.mesh.clone() if mesh is not None else None
+
+
+def _prepare_model(build: tuple[str, Callable[[], torch.nn.Module]], inputs: PlanInputs,
+                   stage: _Stage) -> tuple[Accelerator, torch.nn.Module, Any]:
+    """MODEL built on the meta device and prepared with the plan's optimizer by an Accelerator of the
+    resolved configuration."""
+    name, factory = build
+    accelerator = Accelerator(cpu=True)
+    stage.adopt(accelerator)
+    stage.now = "building the model"
+    model = build_on_meta(factory, name)
+    optimizer = PLAN_OPTIMIZERS[inputs.optimizer](model.parameters())
+    stage.now = "accelerator.prepare(model, optimizer)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's and transformers' warnings about meta tensors
+        model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model, optimizer
+
+
+def _prepare_script(script: ScriptTarget, inputs: PlanInputs, stage: _Stage) -> tuple[Accelerator, torch.nn.Module, Any]:
+    """What the script prepares; the plan's optimizer, prepared by the script's Accelerator, when the
+    script's first ``prepare`` of its model holds none."""
+    stage.now = f"running {script.name} up to accelerator.prepare"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = run_until_prepared(script)
+    stage.adopt(prepared.accelerator)
+    optimizer = prepared.optimizer
+    if optimizer is None:
+        stage.now = f"preparing a {inputs.optimizer} optimizer for {script.name}'s model"
+        optimizer = prepared.accelerator.prepare(PLAN_OPTIMIZERS[inputs.optimizer](prepared.model.parameters()))
+    return prepared.accelerator, prepared.model, optimizer
 
 
 def fake_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -374,5 +425,5 @@ def plan_run(inputs: PlanInputs, target: PlanTarget,
     return PlanReport(target=target, inputs=inputs, ranks=tuple(plans))
 
 
-__all__ = ["PLAN_OPTIMIZERS", "PlanError", "PlanInputs", "PlanReport", "PlanTarget", "RankLayout", "RankPlan",
+__all__ = ["PLAN_OPTIMIZERS", "PlanError", "PlanInputs", "ScriptTarget", "PlanReport", "PlanTarget", "RankLayout", "RankPlan",
            "StepRecording", "fake_step", "plan_rank", "plan_run", "recorded_step", "representative_ranks"]

@@ -44,6 +44,7 @@ from torchrig.config.resolve import (
     resolve_config,
 )
 from torchrig.errors import ConfigError, TorchrigError
+from torchrig.estimate.plan_command import add_plan_arguments, given_plan_flags, listing, run_and_report
 from torchrig.host.plugin_host import PluginHost
 from torchrig.launch import held_signals
 from torchrig.launch.accelerate_flags import (
@@ -113,6 +114,11 @@ def build_parser(host: PluginHost) -> tuple[argparse.ArgumentParser, dict[str, F
                                "connections before giving up (default 30; 0: do not check)")
     launcher.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                           help="print the resolved configuration, plugins and each rank's environment; start nothing")
+    launcher.add_argument("--plan-only", "--plan_only", dest="plan_only", action="store_true",
+                          help="start nothing: plan this launch at its target size from this one CPU process, as "
+                               "`torchrig plan script.py` does (the script runs up to its accelerator.prepare; "
+                               "docs/plan.md); with the plan flags below")
+    add_plan_arguments(parser.add_argument_group("plan (with --plan-only)"), defaults=False)
     flags = collect_flags(Schema(host))
     by_dest = add_config_flags(parser, flags, "configuration (highest precedence; handed to every worker)")
     add_accelerate_flags(parser)
@@ -182,7 +188,7 @@ def split_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[li
         if kind is None:
             from torchrig.config.schema import suggest
 
-            raise UsageError(f"unrecognized flag {name}{suggest(name, list(kinds))} (see `{PROG} --help`)")
+            raise UsageError(f"unrecognized flag {name}{suggest(name, list(kinds))} (see `{parser.prog} --help`)")
         flags.append(token)
         i += 1
         if has_value or kind == "none":
@@ -233,8 +239,21 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None, host: Plugi
     target, target_args = (command[0], command[1:]) if command else (None, [])
     if target is None and not args.dry_run:
         raise UsageError("no script to launch: torchrig launch [flags] script.py [args...]")
+    _check_plan_flags(args, target)
     flags = flag_values(args, by_dest)
     accelerate = apply_accelerate_flags(args, accelerate_entries(parser), flags, Schema(host))
+    if args.plan_only:
+        assert target is not None
+        names = listing(args)
+        if names is not None:
+            stdout.write(names)
+            return 0
+        # machine 0's address means nothing to a plan (nothing connects), but a multi-machine run needs one
+        flags.setdefault("main_process_ip", ("127.0.0.1", "torchrig launch --plan-only (no machine is contacted)"))
+        config = resolve_config(host, config_file=args.config_file, flags=flags, default_file=True, warn=False)
+        _check_target(target, module=args.module, no_python=False)
+        return run_and_report(args, config, flags, model=target, script=[target, *target_args], module=args.module,
+                              stdout=stdout)
     config = resolve_config(host, config_file=args.config_file, flags=flags, default_file=True, warn=False)
     _say_which_default_file()
     host.disable(config.get("disable_plugins") or [])
@@ -284,6 +303,25 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None, host: Plugi
     if retention is not None:
         prune_run_folders(os.path.dirname(log_dir), retention, current=log_dir, current_succeeded=code == 0)
     return code
+
+
+def _check_plan_flags(args: argparse.Namespace, target: str | None) -> None:
+    """``--plan-only`` needs a Python script or module and excludes the flags of a run it does not
+    start; the plan's flags need ``--plan-only`` (never ignored)."""
+    given = given_plan_flags(args)
+    if not args.plan_only:
+        if given:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise UsageError(f"{', '.join(given)} only {verb} with --plan-only (plan the launch instead of running it)")
+        return
+    if args.dry_run:
+        raise UsageError("--plan-only and --dry-run exclude each other: --dry-run prints the launch's configuration "
+                         "and environment, --plan-only plans the run at its target size")
+    if args.no_python:
+        raise UsageError("--plan-only plans a Python script or module (-m); a --no_python command cannot be run "
+                         "up to its accelerator.prepare")
+    if target is None:
+        raise UsageError("--plan-only needs the script: torchrig launch --plan-only [flags] script.py [args...]")
 
 
 def _say_which_default_file() -> None:
