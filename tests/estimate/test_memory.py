@@ -224,20 +224,37 @@ def _cli(capsys, *argv):
 
 
 def test_factory_json_sums_components_and_compares_strategies(capsys, monkeypatch):
+    """DDP and FSDP2 are sized by one planned step (the plan's engine, the project's one memory model),
+    DeepSpeed — which the plan cannot run — by its manifest's estimate on the meta-device model."""
     monkeypatch.chdir(HERE)
     code, out, err = _cli(capsys, "test_memory:tiny_transformer", "--batch_size", "4", "--seq_len", "16",
                           "--num_processes", "2", "--compare", "fsdp,deepspeed", "--zero_stage", "2", "--json")
     assert code == 0, err
     report = json.loads(out)
     labels = [e["label"] for e in report["estimates"]]
-    assert labels[0].startswith("ddp") and labels[1].startswith("fsdp (FSDP2") and labels[2] == "deepspeed ZeRO-2"
+    assert labels == ["ddp", "fsdp (dp_shard 2)", "deepspeed ZeRO-2"]
     for item in report["estimates"]:
         device = sum(c["bytes"] for c in item["components"] if c["location"] == "device")
         assert item["total_device_bytes"] == device > max(c["bytes"] for c in item["components"])
-    ddp, fsdp = report["estimates"][:2]
-    assert "gradient buckets" in [c["name"] for c in ddp["components"]]
+    ddp, fsdp, deepspeed = report["estimates"]
+    recorded = "recorded from one planned training step of rank 0"
+    assert recorded in ddp["notes"][0] and recorded in fsdp["notes"][0]
+    assert not any(recorded in note for note in deepspeed["notes"])
+    parameter_bytes = 4 * sum(p.numel() for p in tiny_transformer().parameters())
+    lines = {item["label"]: {c["name"]: c["bytes"] for c in item["components"]} for item in report["estimates"]}
+    assert lines["ddp"]["parameters"] == parameter_bytes  # replicated; FSDP2 holds its dim-0 shards
+    assert lines["fsdp (dp_shard 2)"]["parameters"] < parameter_bytes // 2 + 1024
+    assert lines["ddp"]["temporaries"] > 0  # the reducer's gradient buckets
     assert fsdp["total_device_bytes"] < ddp["total_device_bytes"]
-    assert report["model"]["activation_bytes"] == 176640  # the measured bytes of the single-process test
+    assert report["model"]["activation_bytes"] == 176640  # DeepSpeed's estimate needs them: the single-process test's
+
+
+def test_a_run_that_would_fail_exits_1_naming_the_rank(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(GPT2_CONFIG))
+    code, _, err = _cli(capsys, str(tmp_path), "--seq_len", "8", "--num_processes", "8", "--use_fsdp",
+                        "--tp_size", "8", "--dp_shard_size", "1")
+    assert code == 1, err
+    assert "the run would fail: fsdp, rank 0: accelerator.prepare(model, optimizer)" in err, err
 
 
 def test_transformers_config_file_estimates_activations(tmp_path, capsys):

@@ -45,6 +45,9 @@ PLAN_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adam": lambda params: torch.optim.Adam(params, lr=1e-4),
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-2),
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-2),
+    "none": lambda params: torch.optim.SGD(params, lr=0.0),  # no state: what the model and its step hold alone
 }
 
 

@@ -24,7 +24,7 @@ DEFAULT_INTERCONNECT = "ib-ndr-400"
 DEFAULT_PROCESSES_PER_MACHINE = 8
 #: The plan's own flags (their destinations), beside the launch's configuration flags.
 PLAN_FLAGS = ("batch_size", "seq_len", "optimizer", "gpu", "interconnect", "ranks", "json")
-_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")  # estimate.plan.PLAN_OPTIMIZERS, named without torch
+_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "adagrad", "rmsprop")  # estimate.plan.PLAN_OPTIMIZERS
 
 
 class PlanUsageError(TorchrigError):
