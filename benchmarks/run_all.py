@@ -34,6 +34,7 @@ BENCHMARKS = [
     (("B4",), "bench_import.py", [], ["--repeats", "3"]),
     (("B5",), "bench_launch.py", [], ["--launches", "2"]),
     (("B6",), "bench_checkpoint.py", [], ["--rounds", "2"]),
+    (("B6 sharded",), "bench_checkpoint_sharded.py", [], ["--rounds", "2"]),
     (("B7",), "bench_gpu.py", [], ["--quick"]),
     (("B9", "B10"), "bench_sharded_cpu.py", [], ["--trials", "2", "--copies", "1", "--rounds", "2", "--steps", "1"]),
     (("B8",), "bench_gpu_sharded.py", [], ["--quick"]),

@@ -410,12 +410,17 @@ def _prepared(stage, ds_json=None):
     return (accelerator, *accelerator.prepare(model, optimizer, scheduler))
 
 
-def _resume(ctx, directory, stage):
+def _resume(ctx, directory, stage, async_save=False):
     with rank_environment(ctx.rank, ctx.world_size):
         accelerator, model, optimizer, scheduler = _prepared(stage)
         _steps(accelerator, model, optimizer, scheduler, 0, 2)
-        accelerator.save_state(directory)
-        _steps(accelerator, model, optimizer, scheduler, 2, 2)
+        engine_saves = []  # files the engine's own checkpoint engine wrote on this thread (none when async)
+        own_save = model.checkpoint_engine.save
+        model.checkpoint_engine.save = lambda state, path: (engine_saves.append(path), own_save(state, path))[1]
+        accelerator.save_state(directory, async_save=async_save)
+        model.checkpoint_engine.save = own_save
+        _steps(accelerator, model, optimizer, scheduler, 2, 2)  # changes the state an async save still writes
+        accelerator._wait_for_checkpoint()
         continued = flat_state(accelerator.get_state_dict(model))
         del accelerator, model, optimizer, scheduler
         accelerator, model, optimizer, scheduler = _prepared(stage)  # a fresh run resumes
@@ -423,16 +428,21 @@ def _resume(ctx, directory, stage):
         lr_after_load = scheduler.get_last_lr()
         _steps(accelerator, model, optimizer, scheduler, 2, 2)
         resumed = flat_state(accelerator.get_state_dict(model))
-        return {"equal": torch.equal(continued, resumed) if continued.numel() else None, "lr": lr_after_load}
+        return {"equal": torch.equal(continued, resumed) if continued.numel() else None, "lr": lr_after_load,
+                "engine_saves": len(engine_saves)}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_save_state_load_state_resumes_bit_equal(gloo_pool, tmp_path, stage):
+@pytest.mark.parametrize(("stage", "async_save"), [(2, False), (3, False), (3, True)],
+                         ids=["zero2", "zero3", "zero3-async"])
+def test_save_state_load_state_resumes_bit_equal(gloo_pool, tmp_path, stage, async_save):
+    """``async_save``: the engine's files are copied to CPU buffers at the call and written in the save's
+    background half (the engine's own checkpoint engine writes none), while training changes the state."""
     from torchrig.checkpoint.layout import read_manifest
 
     directory = str(tmp_path / "checkpoint")
-    results = gloo_pool.run(_resume, directory, stage, timeout=TIMEOUT)
+    results = gloo_pool.run(_resume, directory, stage, async_save, timeout=TIMEOUT)
     assert results[0]["equal"] is True
+    assert all((r["engine_saves"] == 0) == async_save for r in results), results
     assert results[0]["lr"] == [LR * 0.25]  # two applied steps before the save
     files = {entry["path"] for entry in read_manifest(directory)["files"]}
     assert "latest" not in files and not os.path.exists(os.path.join(directory, "latest"))  # DeepSpeed's is never written

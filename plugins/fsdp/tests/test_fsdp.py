@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from torchrig.checkpoint.files import CheckpointWriter
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.effects import assert_collectives, assert_master_weights, count_collectives, record_forward_dtypes
 from torchrig.testing.models import Block, TinyTransformer
@@ -451,8 +452,10 @@ def _save(ctx, directory, state_dict_type):
         if accelerator.is_main_process:
             os.makedirs(directory, exist_ok=True)
         accelerator.wait_for_everyone()
-        written = accelerator._host.hook.torchrig_save_strategy_state(run=accelerator._run, prepared=accelerator._models,
-                                                                      directory=directory, writer=None)
+        writer = CheckpointWriter(directory, accelerator.process_index)
+        returned = accelerator._host.hook.torchrig_save_strategy_state(run=accelerator._run, prepared=accelerator._models,
+                                                                       directory=directory, writer=writer)
+        written = [record.path for record in writer.records(returned)]
         return {"written": sorted(written), "params": flat(model), "optimizer": _optimizer_state(model, optimizer)}
 
 

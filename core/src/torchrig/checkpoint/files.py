@@ -13,12 +13,13 @@ loop waits only for the copy.
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -158,8 +159,15 @@ def _snapshot(obj: Any, staging: dict[str, Any], key: str) -> Any:
         return [_snapshot(v, staging, f"{key}/{i}") for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
         items = [_snapshot(v, staging, f"{key}/{i}") for i, v in enumerate(obj)]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    return obj
+        if hasattr(obj, "_fields"):
+            return type(obj)(*items)
+        return tuple(items) if type(obj) is tuple else type(obj)(items)  # torch.Size stays a torch.Size
+    if isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return obj
+    try:  # an object the state holds (an engine's loss scaler) may change before the background writes it
+        return copy.deepcopy(obj)
+    except Exception:  # noqa: BLE001 — what cannot be copied is written as it is then
+        return obj
 
 
 class CheckpointWriter:
@@ -167,11 +175,14 @@ class CheckpointWriter:
 
     ``safe_serialization`` says whether model weights should be safetensors (strategies read
     it); ``hashing`` turns on streaming sha256; ``deferred`` makes every write a CPU snapshot
-    now (into ``staging`` buffers) and a file later (:meth:`flush`).
+    now (into ``staging`` buffers) and a file later (:meth:`flush`), and every
+    :meth:`library_write` a call later; ``background_group`` is the process group those later
+    calls use for their collectives (its own gloo group: training keeps the default one).
     """
 
     def __init__(self, directory: str, rank: int, *, hashing: bool = False, safe_serialization: bool = True,
-                 deferred: bool = False, staging: dict[str, Any] | None = None) -> None:
+                 deferred: bool = False, staging: dict[str, Any] | None = None,
+                 background_group: Any = None) -> None:
         self.directory = directory
         self.rank = rank
         self.hashing = hashing
@@ -179,7 +190,10 @@ class CheckpointWriter:
         self.deferred = deferred
         #: CPU buffers of deferred writes, reused by the next asynchronous save (see _snapshot).
         self.staging = staging if staging is not None else {}
+        #: The group of a deferred library write's collectives (None: one process, or synchronous).
+        self.background_group = background_group
         self._records: dict[str, FileRecord] = {}
+        self._library_writes: list[Callable[[], Sequence[str]]] = []
         self._pending: list[tuple[str, Callable[[Any, Any], None], Any, str | None, Callable[[str, Any], Any] | None]] = []
         self._unsynced: list[str] = []  # written on the fast path, fsynced in records()
         self._hashing: dict[str, Any] = {}  # name -> a digest being computed (.result())  # written on the fast path, hashed in the background
@@ -218,6 +232,19 @@ class CheckpointWriter:
             def hashed_write(path: str, value: Mapping[str, Any]) -> Any:
                 return hashed_safetensors.write_hashed(path, value, metadata=extra)
         return self._write(name, write, tensors, fault_phase, hashed_write=hashed_write)
+
+    def library_write(self, write: Callable[[], Sequence[str]]) -> None:
+        """Files a library writes itself (DCP, an engine): ``write()`` writes them and returns their
+        paths, relative to the directory; the writer fsyncs, sizes and hashes them. Called now, or in
+        an asynchronous save's background half — before the deferred files, in the order given, on
+        every rank alike (a collective library stays matched) — so ``write`` must hold only what does
+        not change with training (a CPU copy staged before the call) and run its collectives on
+        :attr:`background_group`."""
+        if self.deferred:
+            self._library_writes.append(write)
+            return
+        for name in write():
+            self.record(name)
 
     def record(self, name: str) -> FileRecord:
         """Account for a file a library wrote into the directory itself: fsync, size, hash."""
@@ -284,10 +311,15 @@ class CheckpointWriter:
 
     @property
     def pending(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending or self._library_writes)
 
     def flush(self) -> None:
-        """Write what was deferred (the background half of an asynchronous save)."""
+        """Write what was deferred (the background half of an asynchronous save): the library writes
+        first (collective: the first to fail stops the rest, as it fails on every rank), then the files."""
+        library_writes, self._library_writes = self._library_writes, []
+        for write in library_writes:
+            for name in write():
+                self.record(name)
         pending, self._pending = self._pending, []
         for name, write, value, fault_phase, hashed_write in pending:
             self._write_now(name, write, value, fault_phase, hashed_write)

@@ -17,9 +17,10 @@ Save (every rank, collectively):
    the parent, updates ``latest`` and only then deletes automatically named checkpoints beyond
    ``total_limit``; the outcome is broadcast.
 
-With ``async_save`` step 2 only copies the state to CPU memory; the files, the agreement and the
-commit run on a background thread over a dedicated gloo group, so training never waits on the
-disk and no step makes a collective. A failed background save is raised on every rank at the
+With ``async_save`` step 2 only copies the state to CPU memory — sharded state too: a strategy stages
+its DCP shards on the CPU and hands the write to ``writer.library_write`` — and the files, the
+agreement and the commit run on a background thread over a dedicated gloo group (DCP's collectives
+too), so training never waits on the disk and no step makes a collective. A failed background save is raised on every rank at the
 next ``save_state``, ``load_state``, ``wait_for_everyone`` or ``end_training``; a save still
 running when the script ends is finished at exit (:mod:`~torchrig.checkpoint.pending`).
 
@@ -164,7 +165,8 @@ class CheckpointManager:
         os.makedirs(temporary, exist_ok=True)
 
         writer = CheckpointWriter(temporary, rank, hashing=hashes, safe_serialization=safe_serialization,
-                                  deferred=async_save, staging=self._staging)
+                                  deferred=async_save, staging=self._staging,
+                                  background_group=self._group if async_save else None)
         extra_files: list[str] = []
         local_error: str | None = None
         base: dict[str, Any] = {}

@@ -59,14 +59,21 @@ def _describe(record: EngineRecord) -> str:
 
 
 class _Recording:
-    """Stands in for the engine's checkpoint engine during a save: every ``save(state, path)``
-    goes through and ``path`` is remembered (the files this rank wrote)."""
+    """Stands in for the engine's checkpoint engine during a save: every ``save(state, path)`` goes
+    through and ``path`` is remembered (the files this rank wrote) — or, in an asynchronous save
+    (``writer.deferred``), goes to the core's writer instead, which copies the state to CPU buffers
+    now and writes the file in the save's background half (the engine's collectives and the state
+    it assembles stay in ``save_checkpoint``, on the caller's thread)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, writer: Any) -> None:
         self._inner = inner
+        self._writer = writer
         self.paths: list[str] = []
 
     def save(self, state_dict: Any, path: str) -> Any:
+        if self._writer is not None and self._writer.deferred:
+            self._writer.save_torch(state_dict, os.path.relpath(os.fspath(path), self._writer.directory))
+            return None
         result = self._inner.save(state_dict, path)
         self.paths.append(os.fspath(path))
         return result
@@ -110,9 +117,10 @@ class _SafeLoading:
         return getattr(self._inner, name)
 
 
-def save_state(run: RunContext, records: Sequence[EngineRecord], directory: str) -> list[str]:
+def save_state(run: RunContext, records: Sequence[EngineRecord], directory: str, writer: Any = None) -> list[str]:
     """Every engine's checkpoint under its tag in ``directory``; the paths (relative to
-    ``directory``) of the files this rank wrote."""
+    ``directory``) of the files this rank wrote itself (an asynchronous save hands the engine's
+    files to ``writer``, which records them)."""
     written: list[str] = []
     for record in records:
         engine = record.engine
@@ -122,7 +130,7 @@ def save_state(run: RunContext, records: Sequence[EngineRecord], directory: str)
                 f"deepspeed: {_describe(record)} uses a decoupled checkpoint engine, which writes after save_checkpoint "
                 "returns; torchrig commits a checkpoint only once every file is written. Remove the decoupled "
                 "checkpoint writer from the DeepSpeed config's 'checkpoint' block")
-        recording = _Recording(checkpoint_engine)
+        recording = _Recording(checkpoint_engine, writer)
         engine.checkpoint_engine = recording
         try:
             engine.save_checkpoint(directory, tag=record.tag, save_latest=False)

@@ -210,8 +210,9 @@ class DeepSpeedStrategy:
     # -- checkpoints -------------------------------------------------------------------------------
 
     @hookimpl
-    def torchrig_save_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> list[str]:
-        return ds_checkpoint.save_state(run, records_for(run, prepared), directory)
+    def torchrig_save_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str,
+                                     writer: Any) -> list[str]:
+        return ds_checkpoint.save_state(run, records_for(run, prepared), directory, writer)
 
     @hookimpl
     def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str,

@@ -96,60 +96,89 @@ def full_model_state(run: RunContext, model: torch.nn.Module, *, rank0_only: boo
 # -- save ---------------------------------------------------------------------------------------
 
 
-def save_state(run: RunContext, prepared: Sequence[PreparedModel], directory: str, state_dict_type: str) -> list[str]:
-    """Write every prepared model's and optimizer's state into ``directory``; returns the paths,
-    relative to ``directory``, of the files this rank wrote."""
+def save_state(run: RunContext, prepared: Sequence[PreparedModel], state_dict_type: str, writer: Any) -> list[str]:
+    """Write every prepared model's and optimizer's state into ``writer.directory`` through ``writer`` (the
+    core's :class:`~torchrig.checkpoint.files.CheckpointWriter`). Synchronous saves write now; an
+    asynchronous one (``writer.deferred``) stages each DCP state dict on the CPU now and writes it in
+    the save's background half (:func:`_dcp_save`), the full state dicts as CPU snapshots likewise.
+    Returns the paths this rank wrote outside the writer (none: DCP's go through ``library_write``)."""
     sharded = state_dict_type != FULL
-    written: list[str] = []
     optimizer_index = 0
     for index, item in enumerate(prepared):
         model = item.unwrapped
         if sharded:
-            written += _dcp_save({"model": get_model_state_dict(model)}, directory, model_name(index, True),
-                                 f"model {index}")
+            _dcp_save({"model": get_model_state_dict(model)}, writer, model_name(index, True), f"model {index}")
         else:
-            written += _save_full(run, full_model_state(run, model), directory, model_name(index, False))
+            _save_full(run, full_model_state(run, model), writer, model_name(index, False))
         for optimizer in item.optimizers:
             name = optimizer_name(optimizer_index, sharded)
             if sharded:
                 state = get_optimizer_state_dict(model, optimizer)
                 check_loadable(state, f"optimizer {optimizer_index}")  # DCP pickles non-tensor values
-                written += _dcp_save({"optimizer": state}, directory, name, f"optimizer {optimizer_index}")
+                _dcp_save({"optimizer": state}, writer, name, f"optimizer {optimizer_index}")
             else:
                 options = _options(full_state_dict=True, cpu_offload=True) if _distributed() else None
                 state = get_optimizer_state_dict(model, optimizer, options=options)
                 if run.cluster.is_main_process:  # what torch.save writes, load_state must read back
                     check_loadable(state, f"optimizer {optimizer_index}")
-                written += _save_full(run, state, directory, name)
+                _save_full(run, state, writer, name)
             optimizer_index += 1
-    return written
+    return []
 
 
-def _save_full(run: RunContext, state: dict[str, Any], directory: str, name: str) -> list[str]:
-    if not run.cluster.is_main_process:
-        return []
-    torch.save(state, os.path.join(directory, name))
-    return [name]
+def _save_full(run: RunContext, state: dict[str, Any], writer: Any, name: str) -> None:
+    if run.cluster.is_main_process:
+        writer.save_torch(state, name)
 
 
-def _dcp_save(state: dict[str, Any], directory: str, name: str, what: str) -> list[str]:
-    import torch.distributed.checkpoint as dcp
+class _Staging:
+    """DCP's own stager, one per process: a CPU copy of a state dict's local shards (pinned memory
+    when CUDA is there, for fast device-to-host copies), its buffers reused by the next save."""
 
-    path = os.path.join(directory, name)
+    stager: Any = None
+
+    @classmethod
+    def stage(cls, state: dict[str, Any]) -> dict[str, Any]:
+        if cls.stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            cls.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                      use_async_staging=False, use_non_blocking_copy=False))
+        return cls.stager.stage(state)
+
+
+def _dcp_save(state: dict[str, Any], writer: Any, name: str, what: str) -> None:
+    """``state`` as a DCP directory ``name``: now, or — in an asynchronous save — staged on the CPU
+    now and written in the background half on the save's own gloo group. Not DCP's ``async_save``:
+    each call runs on a thread of its own, so a model's and an optimizer's saves would interleave
+    their collectives on one group; here the commit protocol runs them in order and waits for them
+    before the ranks agree."""
+    path = os.path.join(writer.directory, name)
     if os.path.isdir(path) and os.listdir(path):
         # Never mix shards: DCP would overwrite some files and keep others.
         raise FSDPCheckpointError(f"fsdp: cannot save the {what} into {path}: the directory is not empty (a previous "
                                   "save left files there); save into a fresh checkpoint directory")
     os.makedirs(path, exist_ok=True)
-    writer = _recording_writer_class()(path)
+    if writer.deferred:
+        staged, group = _Staging.stage(strided.for_saving(state)), writer.background_group
+        writer.library_write(lambda: _dcp_write(staged, path, name, what, group))
+    else:
+        writer.library_write(lambda: _dcp_write(strided.for_saving(state), path, name, what, None))
+
+
+def _dcp_write(state: dict[str, Any], path: str, name: str, what: str, group: Any) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    storage = _recording_writer_class()(path)
     try:
-        dcp.save(strided.for_saving(state), storage_writer=writer, no_dist=not _distributed())
+        dcp.save(state, storage_writer=storage, process_group=group, no_dist=not _distributed())
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
         raise FSDPCheckpointError(f"fsdp: saving the {what} with torch.distributed.checkpoint into {path} failed: "
                                   f"{_describe(exc)}") from exc
-    return [f"{name}/{file}" for file in sorted(writer.written)]
+    return [f"{name}/{file}" for file in sorted(storage.written)]
 
 
 def _describe(exc: BaseException) -> str:

@@ -263,8 +263,9 @@ class FSDPStrategy:
     # -- checkpoints -------------------------------------------------------------------------
 
     @hookimpl
-    def torchrig_save_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str) -> list[str]:
-        return fsdp_checkpoint.save_state(run, prepared, directory, fsdp_options(run).state_dict_type)
+    def torchrig_save_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str,
+                                     writer: Any) -> list[str]:
+        return fsdp_checkpoint.save_state(run, prepared, fsdp_options(run).state_dict_type, writer)
 
     @hookimpl
     def torchrig_load_strategy_state(self, run: RunContext, prepared: Sequence[PreparedModel], directory: str,
