@@ -417,8 +417,11 @@ def torchrig_save_strategy_state(
     commit). The core saves everything else (schedulers, RNG, data position, counters).
     Write through ``writer`` (``save_tensors``, ``save_torch``: fsynced, sized, hashed while
     streaming, deferred to a background thread for asynchronous saves; ``writer.safe_serialization``
-    says whether weights should be safetensors); files a library writes itself (DCP, DeepSpeed)
-    are returned and the core fsyncs, sizes and hashes them.
+    says whether weights should be safetensors). Files a library writes itself (DCP, an engine) go
+    through ``writer.library_write(write)``: ``write()`` runs now, or — when ``writer.deferred`` (an
+    asynchronous save) — in the background half, so stage what it writes on the CPU first and run its
+    collectives on ``writer.background_group``. Files returned instead are fsynced, sized and hashed
+    too, but are written before ``save_state`` returns.
 
     - phase: ``save_state``. ranks: every worker, collectively.
     - kind: firstresult (the selected strategy). Plain state dicts are written by the main
