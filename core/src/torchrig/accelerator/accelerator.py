@@ -51,6 +51,7 @@ from torchrig.training.compile_check import CompileVerifier
 from torchrig.training.conversion import convert_model
 from torchrig.training.gradient_state import gradient_state_of
 from torchrig.training.step_plan import StepPlan
+from torchrig.training.token_loss import TokenCountWindow
 from torchrig.training.unprepared import UnpreparedParameterCheck
 
 
@@ -123,6 +124,8 @@ class Accelerator(StepCalls, CheckpointCalls, TrackingCalls, CollectiveCalls, Pr
         self.gradient_state = gradient_state_of(self._run)
         self._configure_accumulation()
         self._plan: StepPlan | None = None
+        self._token_window = TokenCountWindow()
+        self._step_token_count: int | None = None
         #: The plan as the plugins built it (its GradScaler included), before the accelerator's own
         #: wrappers: a check leaving the plan re-wraps this one, never a new build (a new GradScaler
         #: between a scaled backward and its step would have no scale).

@@ -14,6 +14,14 @@ from typing import Any
 from torchrig.accelerator.step_contexts import AccumulateContext, adjusted_autocast
 from torchrig.training.gradient_state import GradientState
 from torchrig.training.step_plan import StepPlan
+from torchrig.training.token_loss import (
+    IGNORE_INDEX,
+    TokenCountWindow,
+    checked_token_count,
+    global_token_count,
+    gradient_mean_group,
+    local_token_count,
+)
 
 
 class StepCalls:
@@ -26,17 +34,84 @@ class StepCalls:
     _accumulate: AccumulateContext
     gradient_state: GradientState
     device: Any
+    strategy: str
+    _models: list[Any]
+    #: The valid tokens the micro-steps of the current accumulation window passed to ``backward``.
+    _token_window: TokenCountWindow
+    _step_token_count: int | None
 
-    def backward(self, loss: Any, **kwargs: Any) -> None:
+    def backward(self, loss: Any, *, num_tokens: Any = None, num_items_in_batch: Any = None, **kwargs: Any) -> None:
         """Backward through the step plan. With gradient accumulation the loss is divided by the
         number of accumulation steps here, exactly once (don't divide it yourself); a strategy
-        that owns accumulation (DeepSpeed) scales it itself."""
+        that owns accumulation (DeepSpeed) scales it itself.
+
+        ``num_tokens``: ``loss`` is this micro-batch's loss *summed* over its ``num_tokens`` valid
+        tokens; the gradients of the step become those of the sum over every valid token of every
+        data-parallel/context-parallel rank and micro-step divided by their global number (one
+        all-reduce of the count at the micro-step that syncs; not divided by the accumulation steps).
+        ``num_items_in_batch``: transformers' convention — ``loss`` was already divided by this global
+        count (:meth:`token_count`); it is multiplied by the data-parallel size (DDP/FSDP average
+        gradients over ranks) and not divided by the accumulation steps. docs/training.md."""
         plan = self._plan or self._step_plan()
         caps = self._run.capabilities
-        steps = self.gradient_state.num_steps
-        if steps > 1 and not (caps is not None and caps.owns_accumulation):
-            loss = loss / steps
+        owns_accumulation = caps is not None and caps.owns_accumulation
+        if num_tokens is not None or num_items_in_batch is not None:
+            self._check_token_normalisation(owns_accumulation, num_tokens, num_items_in_batch)
+        window = self._token_window
+        if num_tokens is not None:
+            window.add(checked_token_count(num_tokens))
+            plan.backward(loss, **kwargs)
+            if self.gradient_state.sync_gradients:
+                self._step_token_count = window.finish(self._gradient_parameters(), caps, self.device)
+            return
+        if window.counted_steps:
+            raise ValueError(window.mixed())
+        window.uncounted = not self.gradient_state.sync_gradients
+        if num_items_in_batch is not None:
+            checked_token_count(num_items_in_batch, "num_items_in_batch")
+            _, size = gradient_mean_group(caps)
+            loss = loss * size if size > 1 else loss
+        else:
+            steps = self.gradient_state.num_steps
+            if steps > 1 and not owns_accumulation:
+                loss = loss / steps
         plan.backward(loss, **kwargs)
+
+    def _check_token_normalisation(self, owns_accumulation: bool, num_tokens: Any, num_items_in_batch: Any) -> None:
+        if num_tokens is not None and num_items_in_batch is not None:
+            raise ValueError("accelerator.backward: pass num_tokens (the loss is a sum over the micro-batch's tokens) "
+                             "or num_items_in_batch (the loss is already divided by the step's global count), not both")
+        if owns_accumulation:
+            given = "num_tokens" if num_tokens is not None else "num_items_in_batch"
+            raise ValueError(f"accelerator.backward({given}=...): the {self.strategy!r} strategy's engine owns "
+                             "gradient accumulation and the optimizer step (it divides each loss by its own "
+                             "accumulation steps), so the core cannot normalise the step's gradients by its token "
+                             f"count; use the 'ddp' or 'fsdp' strategy for a token-normalised loss, or drop {given}")
+
+    def _gradient_parameters(self) -> list[Any]:
+        """The parameters the prepared optimizers step (those of the prepared models when there is none)."""
+        groups = [group["params"] for optimizer in self._optimizers for group in optimizer.param_groups]
+        params = [param for group in groups for param in group]
+        if not params:
+            params = [param for prepared in self._models for param in prepared.model.parameters()]
+        return list({id(param): param for param in params}.values())
+
+    @property
+    def step_token_count(self) -> int | None:
+        """The global valid-token count of the last optimizer step whose micro-steps passed
+        ``num_tokens`` to :meth:`backward` (divide the summed loss by it to log the mean), else None."""
+        return self._step_token_count
+
+    def token_count(self, batches: Any, ignore_index: int = IGNORE_INDEX, shift: bool = True) -> int:
+        """The valid labels (``!= ignore_index``) in ``batches`` — this step's micro-batches on this
+        rank: a labels tensor, a batch mapping (``shift_labels``, else ``labels``) or a list of them —
+        summed over the data-parallel (and context-parallel) ranks: transformers' ``num_items_in_batch``.
+        ``shift``: count ``labels[..., 1:]``, as a causal LM's loss shifts them (transformers' Trainer
+        counts so). A collective: call it on every rank. Then ``accelerator.backward(loss,
+        num_items_in_batch=n)`` with the loss the model computed with ``num_items_in_batch=n``."""
+        local = local_token_count(batches, ignore_index, shift)
+        group, size = gradient_mean_group(self._run.capabilities)
+        return global_token_count(local, group, size, self.device)
 
     def accumulate(self, *models: Any) -> Any:
         """Context for one micro-step: decides whether this step syncs gradients (every
