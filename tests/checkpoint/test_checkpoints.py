@@ -28,8 +28,7 @@ from torchrig.checkpoint import MANIFEST_NAME, CheckpointError, layout, temporar
 from torchrig.checkpoint.faults import FAULT_ENV, PHASES
 from torchrig.config.options import ProjectConfiguration
 from torchrig.testing.contracts import rank_environment
-from torchrig.testing.pool import WorkerDied, WorkerPool
-from torchrig.testing.processes import leftover_processes
+from torchrig.testing.pool import WorkerDied, checked_pool
 
 SCRIPT = Path(__file__).parent / "checkpoint_scripts" / "resumable_train.py"
 RUN_TIMEOUT = 180  # seconds a training subprocess may take before the test gives up (not a measurement)
@@ -491,12 +490,8 @@ def _expected_latest(phase: str, rank: int) -> str:
 def fault_pool():
     """Two ranks that are killed on purpose: the survivor, stuck in a collective with a dead
     peer, is given one second (not the shared pool's five) before the pool kills it."""
-    pool = WorkerPool(world_size=2, error_grace=1.0)
-    try:
+    with checked_pool(2, error_grace=1.0) as pool:
         yield pool
-    finally:
-        pool.close()
-        assert not leftover_processes(sorted(pool.started_pids)), "the fault pool left processes behind"
 
 
 @pytest.mark.multiprocess

@@ -14,8 +14,7 @@ from torchrig.checkpoint import layout
 from torchrig.checkpoint.faults import FAULT_ENV
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.models import TinyTransformer
-from torchrig.testing.pool import WorkerDied, WorkerPool
-from torchrig.testing.processes import leftover_processes
+from torchrig.testing.pool import WorkerDied, checked_pool
 
 TIMEOUT = 120
 
@@ -102,12 +101,8 @@ def _load(ctx, root: str):
 @pytest.fixture(scope="module")
 def pool():
     """Two ranks, one of which may be killed on purpose (the survivor gets one second)."""
-    pool = WorkerPool(world_size=2, error_grace=1.0)
-    try:
-        yield pool
-    finally:
-        pool.close()
-        assert not leftover_processes(sorted(pool.started_pids)), "the pool left processes behind"
+    with checked_pool(2, error_grace=1.0) as workers:
+        yield workers
 
 
 def test_an_async_sharded_save_holds_the_state_of_the_call_and_a_kill_in_its_background_half_loses_nothing(
