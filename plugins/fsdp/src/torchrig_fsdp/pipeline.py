@@ -7,7 +7,8 @@ then apply to the stage as to a whole model (over the stage's ``tp`` and ``dp_sh
 
 The loop stays Accelerate's: ``loss = model(inputs, target=labels)`` runs the schedule (forward and
 backward of every micro-batch, the loss computed on the last stage by ``pp_loss_fn``), and returns the
-batch's mean loss on every rank. The schedule's gradients are held back and ``accelerator.backward(loss)``
+batch's loss on every rank (by default its cross-entropy over valid tokens, divided by their number:
+:class:`TokenMeanLoss`; a user's ``pp_loss_fn``: the mean over micro-batches). The schedule's gradients are held back and ``accelerator.backward(loss)``
 adds them, multiplied by whatever the loss was multiplied by on the way (``1 / gradient_accumulation_steps``,
 a loss scale): the step plan's backward is unchanged and nothing runs backward twice. docs/parallelism.md.
 """
@@ -29,9 +30,30 @@ INTERLEAVED = "Interleaved1F1B"
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dimension (logits of a language model), in fp32."""
-    return torch.nn.functional.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+#: The label of a position that is no prediction target (padding, prompt): torch's and transformers'.
+IGNORE_INDEX = -100
+
+
+class TokenMeanLoss:
+    """The default ``pp_loss_fn``: a micro-batch's cross-entropy over the last dimension (logits of a
+    language model, in fp32) *summed* over its valid tokens (label != -100), divided by the valid tokens
+    of the whole batch the schedule step runs — so the micro-batches' losses add up to the batch's
+    token mean, and a token weighs the same in a short micro-batch as in a long one (the mean of
+    micro-batch means does not). Its schedule adds the micro-batches' gradients (``scale_grads=False``)."""
+
+    def __init__(self) -> None:
+        #: The valid tokens of the batch being run (:meth:`count_batch`), at least 1; None: not yet counted.
+        self.batch_tokens: torch.Tensor | None = None
+
+    def count_batch(self, target: torch.Tensor) -> None:
+        """Count ``target``'s valid tokens before the schedule splits it (every rank is given the target).
+        A batch of padding only counts 1: its loss and gradients are zero, not NaN."""
+        self.batch_tokens = target.ne(IGNORE_INDEX).sum().clamp(min=1)
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        total = torch.nn.functional.cross_entropy(output.flatten(0, -2).float(), target.flatten(),
+                                                  ignore_index=IGNORE_INDEX, reduction="sum")
+        return total if self.batch_tokens is None else total / self.batch_tokens.to(total.device)
 
 
 # -- splitting ------------------------------------------------------------------------------------
@@ -219,9 +241,12 @@ def make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Any,
 
     schedules = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, INTERLEAVED: ScheduleInterleaved1F1B}
     schedule_class = pp_planning.planned_class(schedules[name]) if planned else schedules[name]
+    # a user's pp_loss_fn is a micro-batch mean: the schedule averages over micro-batches; the default's
+    # losses are already shares of the batch's token mean, so their gradients add up
+    scale_grads = not isinstance(loss_fn, TokenMeanLoss)
     if name == INTERLEAVED:
-        return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def boundary_probe(model: torch.nn.Module, num_stages: int, split_points: list[str] | None,
@@ -270,12 +295,16 @@ class _HeldGradients(torch.autograd.Function):
 class PipelineParallel(torch.nn.Module):
     """This rank's pipeline stage and its schedule. ``model(*inputs, target=labels)`` runs the
     schedule on the batch (forward and backward when gradients are enabled, forward only under
-    ``torch.no_grad``) and returns the mean micro-batch loss, the same on every rank of the pipeline.
+    ``torch.no_grad``) and returns the batch's loss (the default loss: its token mean; a user's
+    ``pp_loss_fn``: the mean of the micro-batches'), the same on every rank of the pipeline.
     ``module`` is the stage (the user's model minus the other stages, names kept)."""
 
     def __init__(self, module: torch.nn.Module, schedule: Any, stages: list[Any], group: Any, microbatches: int,
-                 planning: tuple[pp_planning.BoundaryProbe, str, Any] | None = None) -> None:
+                 planning: tuple[pp_planning.BoundaryProbe, str, Any] | None = None,
+                 token_loss: TokenMeanLoss | None = None) -> None:
         super().__init__()
+        #: The default loss, told each batch's valid-token count before the schedule runs; None: the user's.
+        self._token_loss = token_loss
         self.module = module
         self._pipeline = (schedule, stages, group)
         self.microbatches = microbatches
@@ -328,6 +357,9 @@ class PipelineParallel(torch.nn.Module):
             if given is None:
                 raise ValueError("a planned pipeline step needs the batch's token ids (or target) as a tensor")
             schedule, stages = self._planned_schedule(given)
+        token_loss = self._token_loss
+        if token_loss is not None and torch.is_tensor(target) and target.device.type != "meta":
+            token_loss.count_batch(target)
         inputs = args if first else ()
         extra = kwargs if first else {}
         losses: list[torch.Tensor] = []
@@ -354,16 +386,20 @@ class PipelineParallel(torch.nn.Module):
             held = [(p, g) for p, g in zip(params, computed, strict=True) if g is not None]
         else:
             schedule.eval(*inputs, target=target if last else None, losses=losses, **extra)
-        loss = self._broadcast_loss(losses, group, last, stages[0].device)
+        loss = self._broadcast_loss(losses, group, last, stages[0].device, summed=token_loss is not None)
         if not training:
             return loss
         anchor = torch.zeros((), device=loss.device, requires_grad=True)
         return _HeldGradients.apply(loss, anchor, held, self._planning is not None)
 
-    def _broadcast_loss(self, losses: list[torch.Tensor], group: Any, last: bool, device: Any) -> torch.Tensor:
-        """From the rank holding the last stage (the last ``pp`` rank, in every schedule here)."""
+    def _broadcast_loss(self, losses: list[torch.Tensor], group: Any, last: bool, device: Any,
+                        summed: bool) -> torch.Tensor:
+        """From the rank holding the last stage (the last ``pp`` rank, in every schedule here): the
+        micro-batches' losses added (``summed``: the default loss, shares of the batch's token mean),
+        else their mean."""
         if last:
-            loss = torch.stack([value.detach().float() for value in losses]).mean().to(device)
+            stacked = torch.stack([value.detach().float() for value in losses])
+            loss = (stacked.sum() if summed else stacked.mean()).to(device)
         else:
             loss = torch.zeros((), dtype=torch.float32, device=device)
         dist.broadcast(loss, group=group, group_src=dist.get_world_size(group) - 1)
@@ -380,9 +416,11 @@ def wrap(device: torch.device, module: torch.nn.Module, stages: list[tuple[int, 
 
     group = mesh["pp"].get_group()
     pipeline_stages = [PipelineStage(stage, index, num_stages, device, group=group) for index, stage in stages]
-    schedule = make_schedule(schedule_name, pipeline_stages, microbatches, loss_fn or default_loss)
-    planning = (probe, schedule_name, loss_fn or default_loss) if probe is not None else None
-    return PipelineParallel(module, schedule, pipeline_stages, group, microbatches, planning)
+    loss_fn = loss_fn or TokenMeanLoss()
+    schedule = make_schedule(schedule_name, pipeline_stages, microbatches, loss_fn)
+    planning = (probe, schedule_name, loss_fn) if probe is not None else None
+    return PipelineParallel(module, schedule, pipeline_stages, group, microbatches, planning,
+                            token_loss=loss_fn if isinstance(loss_fn, TokenMeanLoss) else None)
 
 
 def join_stages(state: dict[str, Any], group: Any, *, rank0_only: bool) -> dict[str, Any]:
@@ -410,6 +448,6 @@ def pp_group(mesh: Any) -> Any:
     return mesh["pp"].get_group() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else None
 
 
-__all__ = ["INTERLEAVED", "PipelineParallel", "boundary_probe", "build_rank", "build_stage", "check", "default_loss", "group_device",
+__all__ = ["IGNORE_INDEX", "INTERLEAVED", "PipelineParallel", "TokenMeanLoss", "boundary_probe", "build_rank", "build_stage", "check", "group_device",
            "join_stages", "keep_stages", "make_schedule", "pp_group", "prune_optimizer", "split_units", "stage_of_units",
            "stage_view", "wrap"]
