@@ -106,6 +106,40 @@ def _gradients_under(ctx, strategy: str) -> dict[str, object]:
         return seen
 
 
+def _sequence_shard(ctx) -> dict[str, object]:
+    """Context parallel 2 (FSDP2 over ``dp_shard_cp``): both ranks run the same micro-batches, each on its
+    half of the sequence (the model is per-token, so no ring attention is needed: CPU runs it); the counts
+    add up over ``cp`` and FSDP2's mean over ``dp_shard_cp`` is undone."""
+    from torchrig import ParallelismConfig
+
+    with rank_environment(ctx.rank, ctx.world_size):
+        gc.collect()
+        accelerator = Accelerator(cpu=True, strategy="fsdp", gradient_accumulation_steps=MICRO_STEPS,
+                                  parallelism_config=ParallelismConfig(cp_size=2))
+        model = tiny_model()
+        model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        half = slice(ctx.rank * SEQ // 2, (ctx.rank + 1) * SEQ // 2)
+        for step in range(MICRO_STEPS):
+            ids, labels = micro_batch(0, step)
+            ids, labels = ids[:, half], labels[:, half]
+            with accelerator.accumulate(model):
+                accelerator.backward(token_sum(model, ids, labels), num_tokens=(labels != -100).sum())
+        grads = [_full(param.grad).clone() for param in accelerator.unwrap_model(model).parameters()]
+        accelerator.end_training()
+        return {"grads": grads, "step_token_count": accelerator.step_token_count}
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_shards_count_their_tokens_once(gloo_pool):
+    micro = [micro_batch(0, step) for step in range(MICRO_STEPS)]
+    reference = tiny_model()
+    token_mean(reference, torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro])).backward()
+    full = [param.grad for param in reference.parameters()]
+    for rank, seen in enumerate(gloo_pool.run(_sequence_shard, timeout=TIMEOUT)):
+        assert _distance(seen["grads"], full) < TOLERANCE, rank
+        assert seen["step_token_count"] == sum(LENGTHS[(0, 0)]) + sum(LENGTHS[(0, 1)]), rank
+
+
 def _distance(left: list[torch.Tensor], right: list[torch.Tensor]) -> float:
     return max(float((a - b).abs().max()) for a, b in zip(left, right, strict=True))
 
