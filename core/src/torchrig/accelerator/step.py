@@ -51,7 +51,7 @@ class StepCalls:
         all-reduce of the count at the micro-step that syncs; not divided by the accumulation steps).
         ``num_items_in_batch``: transformers' convention — ``loss`` was already divided by this global
         count (:meth:`token_count`); it is multiplied by the data-parallel size (DDP/FSDP average
-        gradients over ranks) and not divided by the accumulation steps. docs/training.md."""
+        gradients over ranks) and not divided by the accumulation steps. docs/parallelism.md ("Loss normalised by the token count")."""
         plan = self._plan or self._step_plan()
         caps = self._run.capabilities
         owns_accumulation = caps is not None and caps.owns_accumulation

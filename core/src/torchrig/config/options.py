@@ -391,7 +391,8 @@ class ParallelismConfig:
         "multiple); default: pp_size. gradient_accumulation_steps still counts batches per optimizer step",
         validator=attrs.validators.optional(at_least(1)), flag="--pp_microbatches")
     pp_loss_fn: Any = option(None, help="pp_loss_fn(output, target) -> loss of one micro-batch, computed on the last "
-                             "stage; default: cross-entropy over the last dimension (Python only)", python_only=True)
+                             "stage; default: cross-entropy over the last dimension summed over valid tokens (label != -100), "
+                             "divided by the batch's valid tokens (Python only)", python_only=True)
     cp_comm_strategy: str = option("allgather", help="how ring attention exchanges key/value chunks over cp: "
                                    "allgather or alltoall (Accelerate's TorchContextParallelConfig.cp_comm_strategy)",
                                    normalize=_lower, choices=("allgather", "alltoall"))
