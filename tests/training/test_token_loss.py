@@ -12,7 +12,7 @@ import gc
 import pytest
 import torch
 from torch import nn
-from torchrig import Accelerator
+from torchrig import Accelerator, GradScalerKwargs
 from torchrig.testing.contracts import rank_environment
 
 TIMEOUT = 240  # seconds a pooled run may take before the test gives up (not a measurement)
@@ -240,3 +240,30 @@ def test_a_strategy_whose_engine_owns_accumulation_refuses_num_tokens_by_name(gl
     pytest.importorskip("deepspeed")
     for message in gloo_pool.run(_deepspeed_refuses, timeout=TIMEOUT):
         assert "the 'deepspeed' strategy's engine owns gradient accumulation" in message
+
+
+def test_fp16_loss_scaling_composes_with_the_token_normalisation():
+    """The GradScaler scales the summed loss; the W/N factor is applied to the scaled gradients and
+    unscaling gives the full-batch gradient (within fp16 autocast's error, far from the naive mean)."""
+    gc.collect()
+    # a small first scale: the summed loss's fp16 gradients at torch's 65536 overflow (the scaler would skip)
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=MICRO_STEPS,
+                              kwargs_handlers=[GradScalerKwargs(init_scale=16.0)])
+    model = tiny_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    micro = [micro_batch(0, step) for step in range(MICRO_STEPS)]
+    reference = tiny_model()
+    token_mean(reference, torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro])).backward()
+    naive = tiny_model()
+    for ids, labels in micro:
+        (token_mean(naive, ids, labels) / MICRO_STEPS).backward()
+    for ids, labels in micro:
+        with accelerator.accumulate(model):
+            with accelerator.autocast():
+                loss_sum = token_sum(model, ids, labels)
+            accelerator.backward(loss_sum, num_tokens=int((labels != -100).sum()))
+    accelerator.unscale_gradients()
+    grads = [p.grad for p in model.parameters()]
+    error = _distance(grads, [p.grad for p in reference.parameters()])
+    assert error < 1e-3 < _distance(grads, [p.grad for p in naive.parameters()]), error
+    accelerator.end_training()
