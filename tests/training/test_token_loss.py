@@ -267,3 +267,36 @@ def test_fp16_loss_scaling_composes_with_the_token_normalisation():
     error = _distance(grads, [p.grad for p in reference.parameters()])
     assert error < 1e-3 < _distance(grads, [p.grad for p in naive.parameters()]), error
     accelerator.end_training()
+
+
+def test_a_transformers_model_given_token_count_as_num_items_in_batch_trains_on_the_full_batch_loss():
+    """transformers' convention end to end: ``token_count`` counts the shifted labels as the model's
+    ``ForCausalLMLoss`` does, and the micro-steps' gradients equal the whole batch's ``.loss`` gradient."""
+    hf_models = pytest.importorskip("torchrig.testing.hf_models")
+    generator = torch.Generator().manual_seed(3)
+    micro = []
+    for lengths in ((8, 2), (3, 5)):
+        ids = torch.randint(0, hf_models.VOCAB, (2, hf_models.SEQ), generator=generator)
+        labels = ids.clone()
+        for row, length in enumerate(lengths):
+            labels[row, length:] = -100
+        micro.append({"input_ids": ids, "labels": labels})
+    reference = hf_models.build("llama")
+    reference(input_ids=torch.cat([b["input_ids"] for b in micro]), labels=torch.cat([b["labels"] for b in micro])).loss.backward()
+    naive = hf_models.build("llama")
+    for batch in micro:
+        (naive(**batch).loss / len(micro)).backward()
+    gc.collect()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=len(micro))
+    model = hf_models.build("llama")
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    count = accelerator.token_count(micro)
+    assert count == (8 - 1) + (2 - 1) + (3 - 1) + (5 - 1)  # position 0 of each row predicts nothing
+    for batch in micro:
+        with accelerator.accumulate(model):
+            loss = model(**batch, num_items_in_batch=count).loss
+            accelerator.backward(loss, num_items_in_batch=count)
+    grads = [p.grad for p in model.parameters()]
+    assert _distance(grads, [p.grad for p in reference.parameters()]) < TOLERANCE
+    assert _distance(grads, [p.grad for p in naive.parameters()]) > 100 * TOLERANCE
+    accelerator.end_training()
