@@ -203,6 +203,10 @@ def test_token_normalisation_refuses_an_ambiguous_or_empty_step(single_accelerat
         accelerator.backward(token_mean(model, ids, labels))
     with accelerator.accumulate(model), pytest.raises(ValueError, match="on every micro-step of a window or on none"):
         accelerator.backward(token_sum(model, ids, labels), num_tokens=3)
+    with pytest.raises(ValueError, match="num_items_in_batch=0"):
+        accelerator.backward(token_sum(model, ids, labels), num_items_in_batch=0)
+    with pytest.raises(TypeError, match="num_items_in_batch must be"):
+        accelerator.backward(token_sum(model, ids, labels), num_items_in_batch=1.5)
     with pytest.raises(KeyError, match="needs 'labels'"):
         accelerator.token_count({"input_ids": ids})
     assert accelerator.token_count([{"labels": labels}, labels], shift=False) == 2 * sum(LENGTHS[(0, 0)])

@@ -51,7 +51,8 @@ class StepCalls:
         all-reduce of the count at the micro-step that syncs; not divided by the accumulation steps).
         ``num_items_in_batch``: transformers' convention — ``loss`` was already divided by this global
         count (:meth:`token_count`); it is multiplied by the data-parallel size (DDP/FSDP average
-        gradients over ranks) and not divided by the accumulation steps. docs/parallelism.md ("Loss normalised by the token count")."""
+        gradients over ranks) and not divided by the accumulation steps.
+        docs/parallelism.md, "Loss normalised by the token count"."""
         plan = self._plan or self._step_plan()
         caps = self._run.capabilities
         owns_accumulation = caps is not None and caps.owns_accumulation
@@ -68,7 +69,9 @@ class StepCalls:
             raise ValueError(window.mixed())
         window.uncounted = not self.gradient_state.sync_gradients
         if num_items_in_batch is not None:
-            checked_token_count(num_items_in_batch, "num_items_in_batch")
+            if isinstance(checked_token_count(num_items_in_batch, "num_items_in_batch"), int) and not num_items_in_batch:
+                raise ValueError("accelerator.backward(num_items_in_batch=0): the step has no valid token on any rank, "
+                                 "so a loss divided by it is undefined; skip the step's batches")
             _, size = gradient_mean_group(caps)
             loss = loss * size if size > 1 else loss
         else:

@@ -9,7 +9,8 @@ micro-step of the window has run, so the division happens on the gradients: each
 backward runs on its loss *sum*, the counts are added up, and after the backward of the micro-step
 that syncs, one all-reduce of the count over the ranks the strategy averages gradients over gives
 the global count ``N``; the gradients (already averaged over those ``W`` ranks by DDP/FSDP) are
-multiplied by ``W / N``, before clipping and the optimizer step. docs/parallelism.md ("Loss normalised by the token count").
+multiplied by ``W / N``, before clipping and the optimizer step. docs/parallelism.md, "Loss normalised
+by the token count".
 """
 
 from __future__ import annotations
