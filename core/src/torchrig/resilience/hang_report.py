@@ -106,8 +106,8 @@ def diagnose(dumps: Mapping[int, Mapping[str, Any]], world_ranks: Iterable[int] 
     by_key: dict[tuple[Any, ...], list[int]] = {}
     for rank, where in places.items():
         by_key.setdefault(_key(where), []).append(rank)
-    # the smallest set of ranks first: the odd one out is usually the culprit
-    kinds = sorted(by_key.values(), key=lambda ranks: (len(ranks), ranks[0]))
+    # ranks outside any collective first, then the smallest set: the odd one out is usually the culprit
+    kinds = sorted(by_key.values(), key=lambda ranks: (places[ranks[0]]["collective"] is not None, len(ranks), ranks[0]))
     parts = [_describe(ranks, places[ranks[0]]) for ranks in kinds]
     collectives = [places[ranks[0]]["collective"] for ranks in kinds]
     if len(kinds) == 1:
