@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from torch.distributed.elastic.multiprocessing import Std
 from torchrig.launch import status as _status
 from torchrig.launch import summary as _summary
 from torchrig.plugin.types import LaunchPlan
+from torchrig.resilience import hang_report
 
 
 class Observer:
@@ -46,7 +48,8 @@ class Observer:
 
     def before_start(self, attempt: int, ranks: Mapping[int, int]) -> None:
         """Forget the previous attempt's status files so a rank that never starts is not
-        mistaken for one that did."""
+        mistaken for one that did (nor an old hang dump for this attempt's)."""
+        hang_report.forget_dumps(self.log_dir, ranks.values())
         for rank in ranks.values():
             try:
                 os.unlink(_status.rank_status_path(self.log_dir, rank))
@@ -109,11 +112,23 @@ class Observer:
         records = [self._record(lr, gr, (failures or {}).get(gr), failures is not None)
                    for lr, gr in sorted(self.ranks.items())]
         verdict = _summary.analyze(records, launcher_signal=launcher_signal)
+        self._diagnose_hang(verdict)
         attempt = {"attempt": self.attempt, "started_at": self.started_at, "ended_at": time.time(),
                    "teardown_at": self.teardown_at, "teardown_signal": self.teardown_signal,
                    "verdict": verdict, "ranks": records}
         self.attempts.append(attempt)
         return attempt
+
+    def _diagnose_hang(self, verdict: dict[str, Any]) -> None:
+        """A collective timed out: compare the ranks' hang dumps, say which collective each rank is
+        in (printed now, kept in ``run_status.json``'s attempt as ``hang``)."""
+        ranks = sorted(self.ranks.values())
+        diagnosis = hang_report.diagnose(hang_report.load_dumps(self.log_dir, ranks, self.attempt), ranks)
+        if diagnosis is None:
+            return
+        verdict["hang"] = diagnosis
+        print(f"torchrig launch: hang diagnosis: {diagnosis['text']} (per-rank dumps: "
+              f"{os.path.join(self.log_dir, 'rank-N.hang.json')})", file=sys.stderr, flush=True)
 
     def _record(self, local_rank: int, rank: int, failure: Any, failures_known: bool) -> dict[str, Any]:
         status = _status.read_json(_status.rank_status_path(self.log_dir, rank)) or {}

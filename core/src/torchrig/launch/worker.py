@@ -50,7 +50,7 @@ from typing import Any
 from torchrig.errors import ConfigError
 from torchrig.launch import status as _status
 from torchrig.launch.supervisor import set_parent_death_signal, supervise
-from torchrig.resilience import preemption, run_status
+from torchrig.resilience import collective_trace, preemption, run_status
 from torchrig.resilience.liveness import process_is_alive
 
 #: Seconds a rank gets to stop on its own after SIGTERM/SIGINT before it is ended from the
@@ -220,6 +220,8 @@ class _Watch(threading.Thread):
     def _end(self, signum: int, reason: str, state: str) -> None:
         main = sys._current_frames().get(threading.main_thread().ident or 0)
         stack = "".join(traceback.format_stack(main)) if main is not None else ""
+        if main is not None:  # stuck in native code: most likely a collective (the hang report says which)
+            _dump_collectives(self, collective_trace.STOPPED, collective_trace.frames_of(main))
         if self.child is not None and self.child.poll() is None:
             self.child.kill()
         code = 128 + int(signum)
@@ -248,6 +250,7 @@ def _exit_code(code: Any) -> int:
 
 def _run_python(mode: str, target: str, args: list[str], watch: _Watch) -> int:
     faulthandler.enable(all_threads=True)  # a segfault still prints where each thread was
+    collective_trace.record_collectives()  # before the script creates a process group
     sys.argv = [target, *args]
     if mode == "script":
         sys.path[0] = os.path.dirname(os.path.abspath(target))
@@ -271,16 +274,23 @@ def _outcome(exc: BaseException, watch: _Watch) -> int:
         if code == 0:
             return _finished(watch)
         return _failed(watch, code, f"SystemExit: {exc.code}", _format(exc))
-    if isinstance(exc, Terminated):
-        return _stopped(watch, exc.signum, _format(exc))
-    if isinstance(exc, KeyboardInterrupt):
-        return _stopped(watch, signal.SIGINT, _format(exc))
+    if isinstance(exc, (Terminated, KeyboardInterrupt)):
+        _dump_collectives(watch, collective_trace.STOPPED, collective_trace.frames_of(exc.__traceback__))
+        return _stopped(watch, exc.signum if isinstance(exc, Terminated) else signal.SIGINT, _format(exc))
+    if collective_trace.is_timeout_error(exc):
+        _dump_collectives(watch, collective_trace.TIMEOUT, collective_trace.frames_of(exc.__traceback__))
     if isinstance(exc, ConfigError):
         return _config_error(exc, watch)
     text = _format(exc)
     sys.stderr.write(text)
     sys.stderr.flush()
     return _failed(watch, 1, _first_line(exc), text)
+
+
+def _dump_collectives(watch: _Watch, reason: str, stack: list[tuple[str, int, str]]) -> None:
+    """The rank's hang dump next to its status file: which collective it is in, and where."""
+    collective_trace.write_dump(os.path.dirname(watch.status.path), int(watch.status.data.get("rank") or 0),
+                                reason=reason, stack=stack, attempt=watch.status.data.get("attempt"))
 
 
 def _config_error(exc: ConfigError, watch: _Watch) -> int:
