@@ -320,8 +320,9 @@ def torchrig_prepare_model(
       pipeline stages, and the same errors — but move, materialise, load or broadcast nothing: the
       plan then gives the parameters fake storage and runs one step under ``FakeTensorMode``,
       recording every collective the wrapped model issues. A strategy whose engine cannot hold a
-      meta-device model raises :class:`~torchrig.errors.PlanningUnsupported`, and the plan reports
-      its ``torchrig_estimate_memory`` answer instead.
+      meta-device model raises :class:`~torchrig.errors.PlanningUnsupported`: the plan reports the
+      rank as not planned, and ``torchrig estimate-memory`` sizes it by its
+      ``torchrig_estimate_memory`` answer instead.
     - checked against: FSDP2 and the N-D mesh (``fully_shard``/``parallelize_module``/pipeline
       split on meta parameters, as torchtitan initialises; materialisation skipped when planning),
       DDP (its C++ reducer needs storage: when planning, a stand-in issues the reducer's bucketed
@@ -521,7 +522,9 @@ def torchrig_create_trackers(
 
 @hookspec(firstresult=True)
 def torchrig_estimate_memory(request: MemoryRequest) -> MemoryEstimate | None:
-    """Say what one rank holds when this strategy trains ``request.model``.
+    """Say what one rank holds when this strategy trains ``request.model`` — for a strategy the plan
+    cannot run (its ``prepare`` raises ``PlanningUnsupported``); every other one is sized by a
+    planned step, the project's one model of memory.
 
     - phase: planning, in ``torchrig estimate-memory`` (and anyone sizing a job); never in a
       training run.
@@ -543,10 +546,9 @@ def torchrig_estimate_memory(request: MemoryRequest) -> MemoryEstimate | None:
       gradients, optimizer state, master weights when the strategy keeps a separate fp32 copy,
       activations, and transient buffers (all-gathered units, communication buckets). Notes say
       what was not modelled.
-    - checked against: DDP (everything whole, plus gradient buckets unless gradients are bucket
-      views); FSDP2 (parameters, gradients and optimizer state sharded on dim 0 with padding, plus
-      one all-gathered unit and its unsharded gradient in the compute dtype, or every parameter
-      gathered when ``reshard_after_forward`` is off); DeepSpeed ZeRO 0–3 (stage 1 shards the
+    - checked against: DDP, FSDP2 and the N-D mesh need no answer — a strategy the plan can run
+      is sized by one planned step (:mod:`torchrig.estimate.planned_memory`), so only a strategy
+      whose ``prepare`` raises ``PlanningUnsupported`` answers; DeepSpeed ZeRO 0–3 (stage 1 shards the
       optimizer state and the fp32 master copy, 2 also gradients, 3 also parameters; offload moves
       optimizer state and master weights, or parameters, to ``"cpu"``); an N-D mesh divides each
       line by the mesh axes that shard it (``tp`` parameters and activations, ``dp_shard`` what

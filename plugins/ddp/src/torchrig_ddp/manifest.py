@@ -14,7 +14,7 @@ from torchrig.plugin import HOOK_API_VERSION, CliFlag, ConfigProblem, ConfigSect
 from torchrig_ddp.constants import COMM_HOOKS, COMM_WRAPPERS, SECTION
 
 if TYPE_CHECKING:
-    from torchrig.plugin import MemoryEstimate, MemoryRequest, ResolvedConfig
+    from torchrig.plugin import ResolvedConfig
 
 
 class DDPManifest(PluginManifest):
@@ -48,14 +48,6 @@ class DDPManifest(PluginManifest):
         CliFlag("--ddp_comm_wrapper", f"{SECTION}.comm_wrapper", "compression wrapper around a PowerSGD hook",
                 choices=COMM_WRAPPERS),
     )
-
-    @hookimpl
-    def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
-        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_ddp.memory`
-        (imported here: a run that never estimates loads only the manifest)."""
-        from torchrig_ddp.memory import ddp_estimate
-
-        return ddp_estimate(request)
 
     @hookimpl
     def torchrig_validate_config(self, config: ResolvedConfig) -> list[ConfigProblem]:

@@ -34,7 +34,7 @@ from torchrig_fsdp.constants import (
 from torchrig_fsdp.hf_style_names import TRANSFORMERS_STYLE_NAMES
 
 if TYPE_CHECKING:
-    from torchrig.plugin import MemoryEstimate, MemoryRequest, ResolvedConfig
+    from torchrig.plugin import ResolvedConfig
 
 
 class FSDPManifest(PluginManifest):
@@ -82,14 +82,6 @@ class FSDPManifest(PluginManifest):
                 "free gathered parameters after forward", type="bool"),
         CliFlag("--fsdp_version", f"{SECTION}.fsdp_version", "2 (FSDP2)", type="int"),
     )
-
-    @hookimpl
-    def torchrig_estimate_memory(self, request: MemoryRequest) -> MemoryEstimate:
-        """Per-rank memory under this strategy (``torchrig estimate-memory``); see :mod:`torchrig_fsdp.memory`
-        (imported here: a run that never estimates loads only the manifest)."""
-        from torchrig_fsdp.memory import fsdp_estimate
-
-        return fsdp_estimate(request)
 
     @hookimpl
     def torchrig_validate_config(self, config: ResolvedConfig) -> list[ConfigProblem]:
