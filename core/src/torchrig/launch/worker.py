@@ -33,14 +33,12 @@ from __future__ import annotations
 import collections
 import faulthandler
 import os
-import re
 import runpy
 import select
 import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -60,8 +58,6 @@ STOP_GRACE_S = 3.0
 #: rank's own grace, before the launcher's SIGKILL (default grace 10 s).
 KILL_GRACE_S = STOP_GRACE_S + 2.0
 _MODES = ("script", "module", "exec")
-#: torchrig's package and its plugins' (``torchrig_fsdp``...): frames there are not the user's.
-_TORCHRIG_PACKAGE = re.compile(r"torchrig(_\w+)?")
 
 
 class Terminated(BaseException):
@@ -312,23 +308,7 @@ def _script_frame(exc: BaseException) -> str | None:
     """``file:line (code)`` of the innermost frame outside torchrig and its plugins (packages named
     ``torchrig``/``torchrig_*``), installed packages and the standard library: the user's call that
     led to ``exc``."""
-    libraries = tuple(os.path.abspath(p) + os.sep for p in {sysconfig.get_path(name)
-                                                            for name in ("stdlib", "purelib", "platlib")} if p)
-
-    def in_torchrig_package(path: str) -> bool:
-        directory = os.path.dirname(path)
-        while directory != os.path.dirname(directory):
-            if _TORCHRIG_PACKAGE.fullmatch(os.path.basename(directory)) and os.path.exists(
-                    os.path.join(directory, "__init__.py")):
-                return True
-            directory = os.path.dirname(directory)
-        return False
-
-    def users(filename: str) -> bool:
-        path = os.path.abspath(filename)
-        return not (filename.startswith("<") or path.startswith(libraries) or in_torchrig_package(path))
-
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if users(f.filename)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if collective_trace.is_user_file(f.filename)]
     if not frames:
         return None
     frame = frames[-1]
