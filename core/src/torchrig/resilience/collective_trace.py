@@ -148,6 +148,15 @@ def write_dump(log_dir: str, rank: int, *, reason: str, stack: list[tuple[str, i
     rank was). Nothing where torch.distributed was never initialised. Returns the path written."""
     if not _process_group_initialized():
         return None
+    try:
+        return _write_dump(log_dir, rank, reason=reason, stack=stack, attempt=attempt)
+    except Exception as exc:  # noqa: BLE001 -- a diagnosis must never change how the rank ends
+        print(f"torchrig: no hang dump for rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+def _write_dump(log_dir: str, rank: int, *, reason: str, stack: list[tuple[str, int, str]],
+                attempt: int | None) -> str | None:
     ranks_by_group = group_ranks()
     entries = flight_recorder_entries()
     collectives = in_flight(entries, ranks_by_group)
@@ -162,14 +171,14 @@ def write_dump(log_dir: str, rank: int, *, reason: str, stack: list[tuple[str, i
         "threads": _all_thread_stacks(),
     }
     path = dump_path(log_dir, rank)
+    handle, temporary = tempfile.mkstemp(dir=log_dir, prefix=".hang-", suffix=".tmp")
     try:
-        handle, temporary = tempfile.mkstemp(dir=log_dir, prefix=".hang-", suffix=".tmp")
         with os.fdopen(handle, "w") as out:
-            json.dump(data, out, indent=1)
+            json.dump(data, out, indent=1, default=str)
         os.replace(temporary, path)
-    except OSError as exc:  # a full disk must not change how the rank ends
-        print(f"torchrig: cannot write the hang dump {path}: {exc}", file=sys.stderr)
-        return None
+    finally:
+        if os.path.exists(temporary):  # not published: a full disk, say
+            os.unlink(temporary)
     return path
 
 
