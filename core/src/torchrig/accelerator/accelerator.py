@@ -33,7 +33,7 @@ from torchrig.accelerator.step_contexts import AccumulateContext
 from torchrig.accelerator.tracking import TrackingCalls
 from torchrig.checkpoint.ledger import CheckpointLedger
 from torchrig.compat.enums import RNGType
-from torchrig.config.options import ProfileKwargs
+from torchrig.config.options import ProfileKwargs, TrainingGuardConfig
 from torchrig.config.resolve import ResolvedConfig, Schema
 from torchrig.data import standalone as standalone_data
 from torchrig.defaults import training as training_defaults
@@ -45,6 +45,7 @@ from torchrig.host.run import RunContext
 from torchrig.host.runtime import build_step_plan, declared_precision_type, end_run, open_run
 from torchrig.optimizer import AcceleratedOptimizer
 from torchrig.plugin.types import Capabilities, PreparedModel
+from torchrig.resilience.training_guard import TrainingGuard
 from torchrig.tracking.hub import TrackerHub
 from torchrig.training.compile import compile_model
 from torchrig.training.compile_check import CompileVerifier
@@ -149,6 +150,10 @@ class Accelerator(StepCalls, CheckpointCalls, TrackingCalls, CollectiveCalls, Pr
         self._trackers = TrackerHub(self._run)
         self._preemption = self._arm_preemption()
         self._throughput = self._arm_throughput()
+        guard_options = self._run.section(TrainingGuardConfig)
+        #: The training guard (``training_guard`` config), None when off: then the plan is not wrapped.
+        self._training_guard = TrainingGuard(guard_options, device=self.device, log=self.log) \
+            if guard_options.enabled else None
         dynamo = self.config.section("dynamo_config")
         self._compile_check = CompileVerifier(on_done=self._rewrap_plan, check_after_steps=dynamo.check_after_steps,
                                               recompile_warn_threshold=dynamo.recompile_warn_threshold)
@@ -342,6 +347,9 @@ class Accelerator(StepCalls, CheckpointCalls, TrackingCalls, CollectiveCalls, Pr
             if self._compile_check.active:  # the compile verdict after the first steps, then out of the plan
                 self._plan = attrs.evolve(self._plan, optimizer_step=self._compile_check.wrap_optimizer_step(
                     self._plan.optimizer_step))
+            if self._training_guard is not None:  # agree on each step's loss and gradient norm; skip or stop
+                self._training_guard.check_supported(self.strategy, self._run.capabilities, self._plan)
+                self._plan = self._training_guard.wrap_plan(self._plan)
             if self._unprepared.active:  # once: gradients of parameters outside every prepared model
                 self._plan = self._unprepared.wrap_plan(self._plan)
             self._plan_generation = self._host.generation

@@ -210,6 +210,37 @@ class PreemptionConfig(KwargsHandler):
                             validator=between(0, 255))
 
 
+def _guard_action(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value == "rollback":
+        raise ValueError("'rollback' is not built yet (docs/resilience.md, \"Training guard\"); use 'skip' or "
+                         "'stop'", attribute)
+    if value not in ("skip", "stop"):
+        raise ValueError(f"expected 'skip' or 'stop'; got {value!r}", attribute)
+
+
+@attrs.frozen(kw_only=True)
+class TrainingGuardConfig(KwargsHandler):
+    """torchrig: at each optimizer step every rank agrees whether the loss or gradient norm is non-finite
+    or the loss spiked, then skips that step or stops the run naming it (docs/resilience.md)."""
+
+    enabled: bool = option(False, help="check every optimizer step's loss and gradient norm (one small "
+                           "all-reduce per optimizer step across every rank)")
+    on_nonfinite: str = option("skip", help="a NaN/inf loss or gradient norm on any rank: 'skip' the optimizer "
+                               "step on every rank (gradients zeroed, scheduler not advanced) or 'stop'",
+                               validator=_guard_action)
+    on_spike: str = option("skip", help="a loss above spike_threshold or spike_zscore: 'skip' or 'stop'",
+                           validator=_guard_action)
+    spike_zscore: float | None = option(None, help="a spike: the step's loss more than this many standard "
+                                        "deviations above the mean of the last spike_window applied steps "
+                                        "(None: no z-score check)")
+    spike_window: int = option(50, help="applied steps the z-score's mean and deviation are taken over (the check "
+                               "starts once the window is full)", validator=at_least(2))
+    spike_threshold: float | None = option(None, help="a spike: the step's loss (mean over ranks) above this "
+                                           "value (None: no absolute check)")
+    max_skips: int = option(10, help="skipped steps allowed in the run; the next bad step stops it with an error "
+                            "naming the step and its batches", validator=at_least(0))
+
+
 @attrs.frozen(kw_only=True)
 class LaunchOptions:
     """torchrig: what ``torchrig launch`` keeps of its runs (docs/launch.md)."""
@@ -436,6 +467,8 @@ CORE_SECTIONS: tuple[ConfigSection, ...] = (
     ConfigSection("init_process_group_kwargs", InitProcessGroupKwargs, help="InitProcessGroupKwargs"),
     ConfigSection("profile_kwargs", ProfileKwargs, help="ProfileKwargs (accelerator.profile())"),
     ConfigSection("preemption", PreemptionConfig, help="PreemptionConfig (torchrig: checkpoint and stop on a signal)"),
+    ConfigSection("training_guard", TrainingGuardConfig, help="TrainingGuardConfig (torchrig: skip or stop on a "
+                  "NaN/inf or spiking loss or gradient norm)"),
     ConfigSection("launch", LaunchOptions, help="LaunchOptions (torchrig: the log folders torchrig launch keeps)"),
     ConfigSection("throughput_monitor", ThroughputMonitorConfig, help="ThroughputMonitorConfig (torchrig: "
                   "samples/s, tokens/s, MFU, peak memory to the trackers)"),
@@ -467,4 +500,5 @@ __all__ = [
     "ThroughputMonitorConfig",
     "TorchDynamoPlugin",
     "TorchTensorParallelPlugin",
+    "TrainingGuardConfig",
 ]

@@ -1,0 +1,177 @@
+"""The training guard: a step whose loss or gradient norm is NaN/inf, or whose loss spiked, is
+skipped on every rank (or stops the run naming it) instead of poisoning the weights.
+
+* **Ranks agree.** A NaN can appear on one rank only (its batch, its shard of the gradients, a
+  pipeline's last stage that alone sees the loss). At each optimizer step every rank contributes
+  ``[non-finite flag, loss sum, loss count]`` to one ``all_reduce(SUM)`` on the default group —
+  every rank of the job, each mesh axis and pipeline stage included — so all decide alike.
+  When the step clipped its gradients the clipped total norm (already reduced across shards) is
+  the one checked; otherwise each rank checks the norm of its own gradients.
+* **Skip** zeroes the gradients and does not run the optimizer step; the prepared optimizer
+  reports ``step_was_skipped``, so prepared schedulers do not advance. The weights stay those of
+  the last applied step, as if the step's batches had never been trained on.
+* **Stop** (or a bad step past ``max_skips``) raises :class:`TrainingGuardStop` naming the
+  optimizer step and the micro-batches (counted from 0 since the guard was armed) it trained on.
+* **Off costs nothing:** the Accelerator wraps the step plan only when ``training_guard.enabled``.
+  On, it costs one small all-reduce and one host read of it per optimizer step.
+
+Strategies whose engine owns the optimizer step and its overflow skipping (DeepSpeed: the
+capability ``owns_accumulation``) are refused: the guard cannot skip a step it does not run.
+fp16 loss scaling is refused too: its scaler must see every step it unscaled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from torchrig.config.options import TrainingGuardConfig
+from torchrig.training.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
+
+#: The metric each skipped step logs to the trackers (the run's total so far).
+SKIPPED_STEPS_METRIC = "training_guard/skipped_steps"
+
+
+class TrainingGuardStop(RuntimeError):
+    """A bad step the guard was told not to skip (``stop``), or one past ``max_skips``."""
+
+
+@attrs.frozen
+class StepVerdict:
+    """What the ranks agreed about one optimizer step."""
+
+    nonfinite: bool
+    loss: float | None  # the mean over the ranks that computed a loss, None when none did
+    spike: str | None  # why the loss is a spike, None when it is not
+
+
+class TrainingGuard:
+    """Checks each optimizer step through a wrapped :class:`StepPlan` (:meth:`wrap_plan`)."""
+
+    def __init__(self, options: TrainingGuardConfig, *, device: Any, log: Callable[..., None]) -> None:
+        self.options = options
+        self.device = device
+        self._log = log
+        self._window: deque[float] = deque(maxlen=options.spike_window)
+        self._step_loss: Any = None  # the detached losses backward saw since the last optimizer step
+        self._step_norm: Any = None  # the total norm clip_grad_norm returned this step
+        self._verdict: StepVerdict | None = None  # decided at the step's first optimizer, kept for the others
+        self.optimizer_steps = 0
+        self.micro_batches = 0
+        self._step_first_batch = 0
+        self.skipped_steps = 0
+
+    def check_supported(self, strategy: str, capabilities: Any, plan: StepPlan) -> None:
+        """Refuse, naming why, what the guard cannot act on."""
+        if capabilities is not None and capabilities.owns_accumulation:
+            raise ValueError(f"training_guard.enabled: the {strategy!r} strategy's engine owns the optimizer step "
+                             "and skips overflowing steps itself, so the guard cannot skip or check its steps; "
+                             "use the 'ddp' or 'fsdp' strategy, or set training_guard.enabled: false")
+        if plan.loss_scaler is not None:
+            raise ValueError("training_guard.enabled: fp16 loss scaling already skips steps with inf/NaN gradients "
+                             "and its scaler must see every step it unscaled; use mixed_precision 'bf16' or 'no' "
+                             "with the guard, or set training_guard.enabled: false")
+
+    def wrap_plan(self, plan: StepPlan) -> StepPlan:
+        """``plan`` with backward recording the loss, clip_grad_norm the norm, optimizer_step checked."""
+        backward, clip, step, zero_grad = plan.backward, plan.clip_grad_norm, plan.optimizer_step, plan.zero_grad
+
+        def guarded_backward(loss: Any, **kwargs: Any) -> None:
+            value = loss.detach().float()
+            self._step_loss = value if self._step_loss is None else self._step_loss + value
+            self.micro_batches += 1
+            self._verdict = None
+            backward(loss, **kwargs)
+
+        def guarded_clip(parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+            parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
+            self._step_norm = clip(parameters, max_norm, norm_type)
+            return self._step_norm
+
+        def guarded_step(optimizer: Any) -> bool:
+            if self._verdict is None:
+                self._verdict = self._agree(optimizer)
+                self._finish_step(self._verdict)
+            if self._verdict.nonfinite or self._verdict.spike:
+                zero_grad(optimizer, True)
+                return False
+            return step(optimizer)
+
+        return attrs.evolve(plan, backward=guarded_backward, clip_grad_norm=guarded_clip, optimizer_step=guarded_step)
+
+    def _local_norm(self, optimizer: Any) -> Any:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor shards: this rank's part
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+    def _agree(self, optimizer: Any) -> StepVerdict:
+        """One all-reduce: [any rank non-finite, loss sum, ranks with a loss]."""
+        norm = self._step_norm if self._step_norm is not None else self._local_norm(optimizer)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        loss = self._step_loss
+        flags = torch.zeros(3, dtype=torch.float64, device=self.device)
+        bad = ~torch.isfinite(norm.detach().double())
+        if loss is not None:
+            bad = bad | ~torch.isfinite(loss.double())
+            flags[1] = torch.nan_to_num(loss.double(), nan=0.0, posinf=0.0, neginf=0.0)
+            flags[2] = 1.0
+        flags[0] = bad.double()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags)
+        nonfinite, total, count = flags.tolist()
+        mean = total / count if count else None
+        return StepVerdict(nonfinite=nonfinite > 0, loss=mean, spike=None if nonfinite > 0 else self._spike(mean))
+
+    def _spike(self, loss: float | None) -> str | None:
+        if loss is None:
+            return None
+        threshold = self.options.spike_threshold
+        if threshold is not None and loss > threshold:
+            return f"loss {loss:.6g} above spike_threshold {threshold:g}"
+        zscore = self.options.spike_zscore
+        if zscore is not None and len(self._window) == self._window.maxlen:
+            mean = sum(self._window) / len(self._window)
+            std = math.sqrt(sum((x - mean) ** 2 for x in self._window) / len(self._window))
+            if std > 0 and (loss - mean) / std > zscore:
+                return f"loss {loss:.6g} is {(loss - mean) / std:.3g} standard deviations above the last " \
+                       f"{len(self._window)} steps' mean {mean:.6g} (spike_zscore {zscore:g})"
+        return None
+
+    def _finish_step(self, verdict: StepVerdict) -> None:
+        """Count the step; a good one joins the spike window, a bad one is skipped or stops the run."""
+        step, first, last = self.optimizer_steps, self._step_first_batch, self.micro_batches - 1
+        self.optimizer_steps += 1
+        self._step_first_batch = self.micro_batches
+        self._step_loss = None
+        self._step_norm = None
+        if not (verdict.nonfinite or verdict.spike):
+            if verdict.loss is not None:
+                self._window.append(verdict.loss)
+            return
+        what = "a NaN/inf loss or gradient norm on at least one rank" if verdict.nonfinite else verdict.spike
+        action = self.options.on_nonfinite if verdict.nonfinite else self.options.on_spike
+        where = f"optimizer step {step} (micro-batches {first}–{last} since the guard was armed)"
+        if action == "stop":
+            raise TrainingGuardStop(f"training_guard: {what} at {where}; stopped (on_"
+                                    f"{'nonfinite' if verdict.nonfinite else 'spike'}: stop)")
+        if self.skipped_steps >= self.options.max_skips:
+            raise TrainingGuardStop(f"training_guard: {what} at {where}; {self.skipped_steps} steps already "
+                                    f"skipped (max_skips {self.options.max_skips}): stopped. Lower the learning "
+                                    "rate or inspect those batches; raise training_guard.max_skips to skip more")
+        self.skipped_steps += 1
+        logger.warning("training_guard: skipped %s: %s", where, what)
+        self._log({SKIPPED_STEPS_METRIC: self.skipped_steps}, step=step)
+
+
+__all__ = ["SKIPPED_STEPS_METRIC", "StepVerdict", "TrainingGuard", "TrainingGuardStop"]
