@@ -4,11 +4,13 @@ step and its batches; the skips reach the trackers; off, the step plan is not wr
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from torchrig.errors import ConfigError
 from torchrig.resilience.training_guard import SKIPPED_STEPS_METRIC, TrainingGuardStop
 
 STEPS, BATCH = 8, 4
+TORCHRIG = str(Path(__import__("torchrig").__file__).parent)
 
 
 def _data() -> TensorDataset:
@@ -168,3 +171,45 @@ def test_two_ranks_skip_a_nan_on_one_rank_and_match_the_run_without_its_batches(
         assert torch.equal(param, reference[name]), name
     logs = [json.loads(line) for line in (tmp_path / "guarded" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(line["step"], line["values"]) for line in logs if line["event"] == "log"] == [(2, {SKIPPED_STEPS_METRIC: 1})]
+
+
+#: torchrig's Python calls the guard adds to a training step when on (tests/training/test_hot_path_budget.py
+#: counts the step itself): the guarded backward and optimizer step, the local norm, the agreement, the spike
+#: check, the step's bookkeeping and the gradient list's comprehension (inlined from Python 3.12: one fewer).
+GUARD_ON_EXTRA_CALLS = 7
+
+
+def _torchrig_calls_per_step(guard: TrainingGuardConfig) -> collections.Counter:
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[guard])
+    torch.manual_seed(0)
+    model, optimizer = accelerator.prepare(nn.Linear(16, 2), torch.optim.SGD(nn.Linear(16, 2).parameters(), lr=0.1))
+    x, y = _data().tensors
+
+    def step() -> None:
+        accelerator.backward(F.mse_loss(model(x[:BATCH]), y[:BATCH]))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the first step builds the step plan
+    calls: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(TORCHRIG):
+            calls[f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"] += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_off_the_guard_adds_no_call_to_the_step_and_on_a_fixed_few():
+    off = _torchrig_calls_per_step(TrainingGuardConfig(enabled=False))
+    on = _torchrig_calls_per_step(TrainingGuardConfig(enabled=True))
+    assert not [name for name in off if name.startswith("training_guard.py")], off
+    extra = sum(on.values()) - sum(off.values())
+    assert extra <= GUARD_ON_EXTRA_CALLS, f"the guard now adds {extra} torchrig calls per step (budget " \
+                                          f"{GUARD_ON_EXTRA_CALLS}): {dict(on - off)}"
+    assert extra >= GUARD_ON_EXTRA_CALLS - 1, f"lower the budget to keep it tight: {dict(on - off)}"
