@@ -128,12 +128,12 @@ from torchrig import Accelerator
 from torchrig.config.options import TrainingGuardConfig
 
 guarded = sys.argv[2] == "guarded"
-handlers = [TrainingGuardConfig(enabled=True)] if guarded else []
+handlers = [TrainingGuardConfig(enabled=True, spike_threshold=50.0)] if guarded else []
 accelerator = Accelerator(cpu=True, log_with="jsonl", project_dir=sys.argv[1], kwargs_handlers=handlers)
 generator = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(6 * 8, 16, generator=generator), torch.randn(6 * 8, 2, generator=generator))
-# Global step k reads samples 8k..8k+7 (rank 0 the first 4, rank 1 the next 4); the reference drops step 2's.
-data = data if guarded else Subset(data, [i for i in range(len(data)) if i // 8 != 2])
+# Global step k reads samples 8k..8k+7 (rank 0 the first 4, rank 1 the next 4); the reference drops steps 2 and 4.
+data = data if guarded else Subset(data, [i for i in range(len(data)) if i // 8 not in (2, 4)])
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -141,8 +141,10 @@ model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data
 accelerator.init_trackers("run")
 for step, (x, y) in enumerate(loader):
     loss = F.mse_loss(model(x), y)
-    if guarded and step == 2 and accelerator.process_index == 1:  # the NaN on one rank only
+    if guarded and step == 2 and accelerator.process_index == 1:  # a NaN on one rank only
         loss = loss * float("nan")
+    if guarded and step == 4 and accelerator.process_index == 1:  # a spike only rank 1's loss shows
+        loss = loss * 1000.0
     accelerator.backward(loss)
     optimizer.step()
     optimizer.zero_grad()
@@ -153,7 +155,7 @@ accelerator.end_training()
 
 
 @pytest.mark.timeout(300)
-def test_two_ranks_skip_a_nan_on_one_rank_and_match_the_run_without_its_batches(tmp_path, process_guard):
+def test_two_ranks_skip_a_nan_and_a_spike_seen_by_one_rank_and_match_the_run_without_their_batches(tmp_path, process_guard):
     script = tmp_path / "train.py"
     script.write_text(TWO_RANK_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
@@ -170,7 +172,8 @@ def test_two_ranks_skip_a_nan_on_one_rank_and_match_the_run_without_its_batches(
     for name, param in guarded.items():
         assert torch.equal(param, reference[name]), name
     logs = [json.loads(line) for line in (tmp_path / "guarded" / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [(line["step"], line["values"]) for line in logs if line["event"] == "log"] == [(2, {SKIPPED_STEPS_METRIC: 1})]
+    assert [(line["step"], line["values"]) for line in logs if line["event"] == "log"] == [
+        (2, {SKIPPED_STEPS_METRIC: 1}), (4, {SKIPPED_STEPS_METRIC: 2})]
 
 
 #: torchrig's Python calls the guard adds to a training step when on (tests/training/test_hot_path_budget.py

@@ -69,6 +69,9 @@ class TrainingGuard:
         self.micro_batches = 0
         self._step_first_batch = 0
         self.skipped_steps = 0
+        self._zero = torch.zeros((), device=device)
+        self._one = torch.ones((), device=device)
+        self._distributed: bool | None = None  # known at the first check: the process group may come later
 
     def check_supported(self, strategy: str, capabilities: Any, plan: StepPlan) -> None:
         """Refuse, naming why, what the guard cannot act on."""
@@ -109,29 +112,30 @@ class TrainingGuard:
         return attrs.evolve(plan, backward=guarded_backward, clip_grad_norm=guarded_clip, optimizer_step=guarded_step)
 
     def _local_norm(self, optimizer: Any) -> Any:
+        """The norm of this rank's gradients (of its shards, for sharded parameters): one fused kernel."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
-            return torch.zeros((), device=self.device)
-        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor shards: this rank's part
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            return self._zero
+        if hasattr(grads[0], "to_local"):  # DTensor gradients: this rank's shards
+            grads = [grad.to_local() for grad in grads]
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
 
     def _agree(self, optimizer: Any) -> StepVerdict:
-        """One all-reduce: [any rank non-finite, loss sum, ranks with a loss]."""
+        """One all-reduce(SUM) of [gradient norm, loss, ranks with a loss]: a sum with a NaN/inf term
+        is not finite, so every rank sees any rank's NaN."""
         norm = self._step_norm if self._step_norm is not None else self._local_norm(optimizer)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         loss = self._step_loss
-        flags = torch.zeros(3, dtype=torch.float64, device=self.device)
-        bad = ~torch.isfinite(norm.detach().double())
-        if loss is not None:
-            bad = bad | ~torch.isfinite(loss.double())
-            flags[1] = torch.nan_to_num(loss.double(), nan=0.0, posinf=0.0, neginf=0.0)
-            flags[2] = 1.0
-        flags[0] = bad.double()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flags = torch.stack([norm.detach().float(), self._zero if loss is None else loss, self._zero if loss is None
+                             else self._one])
+        if self._distributed is None:
+            self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if self._distributed:
             dist.all_reduce(flags)
-        nonfinite, total, count = flags.tolist()
-        mean = total / count if count else None
-        return StepVerdict(nonfinite=nonfinite > 0, loss=mean, spike=None if nonfinite > 0 else self._spike(mean))
+        total_norm, total_loss, count = flags.tolist()
+        nonfinite = not (math.isfinite(total_norm) and math.isfinite(total_loss))
+        mean = total_loss / count if count else None
+        return StepVerdict(nonfinite=nonfinite, loss=mean, spike=None if nonfinite else self._spike(mean))
 
     def _spike(self, loss: float | None) -> str | None:
         if loss is None:
