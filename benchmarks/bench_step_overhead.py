@@ -11,7 +11,8 @@ noise floor (plain against plain-again). Goal: added ≤ 10 µs/step and ≤ 1.0
 step alone on pre-made batches (no loader), inside ``accumulate``, and "torchrig + throughput
 monitor" (``throughput_monitor.enabled`` with its defaults: a measurement every 50 optimizer steps,
 to no tracker) against an Accelerator made the same way without it ("torchrig, monitor off"; goal
-≤ 5 µs/step). Hugging Face Accelerate
+≤ 5 µs/step), and "torchrig + training guard" (``training_guard.enabled``: each optimizer step's loss and
+gradient norm checked) against the same baseline (goal ≤ 1 µs/step). Hugging Face Accelerate
 and Lightning Fabric run the same loop (their own prepared loader) in the same rounds when
 installed (`pip install 'torchrig[bench]'`).
 
@@ -36,6 +37,8 @@ BUDGET_US = 10.0
 MONITOR_BUDGET_US = 5.0
 MONITOR = "torchrig + throughput monitor"
 MONITOR_OFF = "torchrig, monitor off"  # its baseline: an Accelerator made the same way, without the monitor
+GUARD = "torchrig + training guard"  # training_guard.enabled against the same baseline (issue 38)
+GUARD_BUDGET_US = 1.0
 BUDGET_RATIO = 1.01
 BATCH = 64
 
@@ -151,7 +154,7 @@ def main() -> int:
     torch.set_num_threads(1)
 
     from torchrig import Accelerator
-    from torchrig.config.options import ThroughputMonitorConfig
+    from torchrig.config.options import ThroughputMonitorConfig, TrainingGuardConfig
 
     generator = torch.Generator().manual_seed(0)
     dataset = TensorDataset(torch.randn(args.steps * BATCH, 32, generator=generator),
@@ -160,15 +163,16 @@ def main() -> int:
                for i in range(0, len(dataset), BATCH)]
     base = make_model()
     models = {name: copy.deepcopy(base) for name in ("plain", "plain-again", "torchrig", "plain/batches", "torchrig/batches",
-                                                     MONITOR_OFF, MONITOR)}
+                                                     MONITOR_OFF, MONITOR, GUARD)}
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, model in models.items()}
     accelerator = Accelerator(cpu=True)
     rig_model, rig_optimizer, rig_loader = accelerator.prepare(models["torchrig"], optimizers["torchrig"],
                                                                DataLoader(dataset, batch_size=BATCH, shuffle=True))
     step_model, step_optimizer = accelerator.prepare(models["torchrig/batches"], optimizers["torchrig/batches"])
     monitor_runs = {}
-    for name, enabled in ((MONITOR_OFF, False), (MONITOR, True)):
-        monitored = Accelerator(cpu=True, kwargs_handlers=[ThroughputMonitorConfig(enabled=enabled)])
+    for name, handler in ((MONITOR_OFF, ThroughputMonitorConfig(enabled=False)),
+                          (MONITOR, ThroughputMonitorConfig(enabled=True)), (GUARD, TrainingGuardConfig(enabled=True))):
+        monitored = Accelerator(cpu=True, kwargs_handlers=[handler])
         monitor_model, monitor_optimizer, monitor_loader = monitored.prepare(
             models[name], optimizers[name], DataLoader(dataset, batch_size=BATCH, shuffle=True))
         monitor_runs[name] = loader_step_fn(monitor_model, monitor_optimizer, monitored.backward, monitor_loader)
@@ -207,7 +211,7 @@ def main() -> int:
     added, ratio = {}, {}
     for name in runners:
         baseline = samples["plain/batches" if name in ("torchrig/batches", "torchrig/accumulate")
-                           else MONITOR_OFF if name == MONITOR else "plain"]
+                           else MONITOR_OFF if name in (MONITOR, GUARD) else "plain"]
         diffs = [a - b for a, b in zip(samples[name], baseline)]
         ratios = [a / b for a, b in zip(samples[name], baseline)]
         added[name], ratio[name] = statistics.median(diffs), statistics.median(ratios)
@@ -223,6 +227,11 @@ def main() -> int:
           f"{'PASS' if monitor_ok else 'FAIL'}")
     emit("B1 monitor", "added µs/step of the throughput monitor: torchrig + monitor vs torchrig, same real loop",
          f"{added[MONITOR]:+.1f} µs ({ratio[MONITOR]:.4f}×)", f"≤ {MONITOR_BUDGET_US:.0f} µs", monitor_ok, {})
+    guard_ok = added[GUARD] <= GUARD_BUDGET_US
+    print(f"B1 {GUARD}: {added[GUARD]:+.1f} µs/step over the same Accelerator without it (goal ≤ {GUARD_BUDGET_US:.0f} µs): "
+          f"{'PASS' if guard_ok else 'FAIL'}")
+    emit("B1 guard", "added µs/step of training_guard.enabled: torchrig + guard vs torchrig, same real loop",
+         f"{added[GUARD]:+.1f} µs ({ratio[GUARD]:.4f}×)", f"≤ {GUARD_BUDGET_US:.0f} µs", guard_ok, {})
     print(f"B1 torchrig added {added['torchrig']:+.1f} µs/step, {ratio['torchrig']:.4f}× over a plain DataLoader loop "
           f"(goal ≤ {BUDGET_US:.0f} µs and ≤ {BUDGET_RATIO}×; A/A {noise:+.1f} µs); the step alone on pre-made "
           f"batches {added['torchrig/batches']:+.1f} µs: {'PASS' if ok else 'FAIL'}")
