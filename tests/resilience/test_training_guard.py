@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchrig import Accelerator
 from torchrig.config.options import TrainingGuardConfig
 from torchrig.errors import ConfigError
+from torchrig.plugin.types import Capabilities
 from torchrig.resilience.training_guard import SKIPPED_STEPS_METRIC, TrainingGuardStop
 
 STEPS, BATCH = 8, 4
@@ -216,3 +218,14 @@ def test_off_the_guard_adds_no_call_to_the_step_and_on_a_fixed_few():
     assert extra <= GUARD_ON_EXTRA_CALLS, f"the guard now adds {extra} torchrig calls per step (budget " \
                                           f"{GUARD_ON_EXTRA_CALLS}): {dict(on - off)}"
     assert extra >= GUARD_ON_EXTRA_CALLS - 1, f"lower the budget to keep it tight: {dict(on - off)}"
+
+
+def test_a_strategy_whose_engine_owns_the_step_and_fp16_loss_scaling_are_refused_by_name():
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[TrainingGuardConfig(enabled=True)])
+    guard, plan = accelerator._training_guard, accelerator.step_plan
+    with pytest.raises(ValueError, match=r"the 'deepspeed' strategy's engine owns the optimizer step .* 'ddp' or "
+                                         r"'fsdp' strategy, or set training_guard.enabled: false"):
+        guard.check_supported("deepspeed", Capabilities(owns_accumulation=True), plan)
+    with pytest.raises(ValueError, match=r"fp16 loss scaling .* use mixed_precision 'bf16' or 'no'"):
+        guard.check_supported("ddp", Capabilities(), attrs.evolve(plan, loss_scaler=torch.amp.GradScaler("cpu")))
+    guard.check_supported("ddp", Capabilities(), plan)  # DDP/FSDP without fp16: accepted
