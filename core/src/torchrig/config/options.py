@@ -71,7 +71,10 @@ class CoreOptions:
     cluster: str | None = option(None, help="force a cluster-environment plugin instead of auto-detection",
                                  choices_from_kind="cluster")
     num_processes: int | None = option(None, help="total number of processes (all machines)", validator=at_least(1))
-    num_machines: int = option(1, help="number of machines", validator=at_least(1))
+    num_machines: int = option(1, help="number of machines (with --num_machines MIN:MAX: the most)", validator=at_least(1))
+    min_machines: int | None = option(None, help="elastic world size: the fewest machines the run goes on with "
+                                      "(--num_machines MIN:MAX sets it; None: exactly num_machines)",
+                                      validator=at_least(1))
     machine_rank: int = option(0, help="rank of this machine, 0..num_machines-1", validator=at_least(0))
     main_process_ip: str | None = option(None, help="address of the machine with rank 0")
     main_process_port: int | None = option(None, help="port of the rendezvous on the main machine (0: a free port)",

@@ -200,6 +200,32 @@ def split_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[li
     return flags, []
 
 
+def split_machine_range(tokens: Sequence[str]) -> list[str]:
+    """``--num_machines MIN:MAX`` (what torchrun spells ``--nnodes MIN:MAX``) as ``--num_machines MAX
+    --min_machines MIN``: an elastic world of MIN..MAX machines is two options of the configuration,
+    so a file or the environment can set either one."""
+    out: list[str] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        name, eq, value = token.partition("=")
+        if name == "--num_machines" and (eq or i + 1 < len(tokens)):
+            if not eq:
+                value, i = tokens[i + 1], i + 1
+            low, colon, high = value.partition(":")
+            if colon:
+                if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+                    raise UsageError(f"--num_machines {value}: MIN:MAX needs two whole numbers with "
+                                     f"1 <= MIN <= MAX (e.g. --num_machines 1:2)")
+                out += ["--num_machines", high, "--min_machines", low]
+            else:
+                out += ["--num_machines", value]
+        else:
+            out.append(token)
+        i += 1
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -233,7 +259,7 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None, host: Plugi
     host = host or launcher_host()
     parser, by_dest = build_parser(host)
     flag_tokens, command = split_argv(parser, argv)
-    args = parser.parse_args(flag_tokens)
+    args = parser.parse_args(split_machine_range(flag_tokens))
     if args.module and args.no_python:
         raise UsageError("-m/--module and --no_python exclude each other")
     target, target_args = (command[0], command[1:]) if command else (None, [])
@@ -275,6 +301,7 @@ def run_launch(argv: Sequence[str], *, stdout: TextIO | None = None, host: Plugi
                       "--", target or "<script>", *target_args]
     plan = LaunchPlan(
         command=worker_command, nproc_per_node=layout.nproc_per_node, num_nodes=layout.num_machines,
+        min_nodes=layout.min_machines,
         node_rank=layout.machine_rank, rdzv_backend=layout.rdzv_backend, rdzv_endpoint=layout.rdzv_endpoint,
         run_id="torchrig", max_restarts=args.max_restarts, monitor_interval=args.monitor_interval, log_dir=log_dir,
         tee=args.tee, shutdown_grace_s=args.shutdown_grace, master_addr=layout.master_addr,
@@ -423,6 +450,8 @@ class Layout:
     def __init__(self, **values: Any) -> None:
         self.num_machines: int = values["num_machines"]
         self.machine_rank: int = values["machine_rank"]
+        #: Elastic world size: the fewest machines the run goes on with (None: exactly num_machines).
+        self.min_machines: int | None = values.get("min_machines")
         self.nproc_per_node: int = values["nproc_per_node"]
         self.world_size: int = self.nproc_per_node * self.num_machines
         self.rdzv_backend: str = values["rdzv_backend"]
@@ -435,7 +464,9 @@ class Layout:
         self.warnings: list[str] = values.get("warnings", [])
 
     def describe(self) -> str:
-        machines = (f"machine {self.machine_rank} of {self.num_machines}, " if self.num_machines > 1 else "")
+        count = (f"{self.min_machines}..{self.num_machines}" if self.min_machines is not None
+                 else str(self.num_machines))
+        machines = (f"machine {self.machine_rank} of {count}, " if self.num_machines > 1 else "")
         return (f"{machines}{self.nproc_per_node} process(es) here, {self.world_size} in all, "
                 f"rendezvous {self.rdzv_backend} at {self.rdzv_endpoint}")
 
@@ -486,10 +517,25 @@ def work_out_layout(config: ResolvedConfig) -> Layout:
     if machines > 1 and int(port_part) == 0:
         raise ConfigError("main_process_port must be a fixed port when num_machines > 1 (every machine must know it)")
     return Layout(
-        num_machines=machines, machine_rank=machine_rank, nproc_per_node=total // machines, rdzv_backend=backend,
+        num_machines=machines, machine_rank=machine_rank, min_machines=_elastic_minimum(config, machines, backend), nproc_per_node=total // machines, rdzv_backend=backend,
         rdzv_endpoint=endpoint, master_addr=master_addr, explicit_port=int(port_part), processes_source=source,
         strategy_world=config.source("strategy").layer is Layer.DEFAULT, gpu_ids=config.get("gpu_ids"),
     )
+
+
+def _elastic_minimum(config: ResolvedConfig, machines: int, backend: str) -> int | None:
+    """``min_machines`` checked against ``num_machines`` and the rendezvous (only c10d re-forms a
+    smaller world); None when the world is fixed."""
+    low = config.get("min_machines")
+    if low is None or low == machines:
+        return None
+    if low > machines:
+        raise ConfigError(f"min_machines {low} is above num_machines {machines}: give --num_machines MIN:MAX "
+                          f"with MIN <= MAX")
+    if backend != "c10d":
+        raise ConfigError(f"min_machines {low} (an elastic world of {low}..{machines} machines) needs the c10d "
+                          f"rendezvous, not rdzv_backend {backend!r}: drop rdzv_backend or set it to c10d")
+    return int(low)
 
 
 def _free_port() -> int:

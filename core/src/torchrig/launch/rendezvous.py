@@ -87,26 +87,36 @@ class SingleNodeRendezvous(RendezvousHandler):
 
 class MachineRankRendezvous(RendezvousHandler):
     """A c10d rendezvous whose node ranks are the machines' ``--machine_rank`` and whose
-    master port is new for every round (so every restart gets a fresh one)."""
+    master port is new for every round (so every restart gets a fresh one).
 
-    def __init__(self, inner: RendezvousHandler, machine_rank: int, master_addr: str) -> None:
+    Elastic (``elastic=True``, ``--num_machines MIN:MAX``): a round may hold any MIN..MAX of the
+    machines, so a fixed ``--machine_rank`` can leave holes (machine 0 gone, 1 left). There the
+    node rank is the one the c10d round hands out (0..size-1, in the order the nodes joined) and
+    node 0 of the round names the master address; ``--machine_rank`` only says which machine
+    hosts the rendezvous store (machine 0: if it leaves, the survivors cannot meet again)."""
+
+    def __init__(self, inner: RendezvousHandler, machine_rank: int, master_addr: str, *,
+                 elastic: bool = False) -> None:
         self.inner = inner
         self.machine_rank = machine_rank
         self.master_addr = master_addr
+        self.elastic = elastic
 
     def next_rendezvous(self) -> RendezvousInfo:
         info = self.inner.next_rendezvous()
         store, size = info.store, info.world_size
-        store.set(f"torchrig/machine_rank/{info.rank}", str(self.machine_rank))
-        claimed = sorted(int(store.get(f"torchrig/machine_rank/{i}").decode()) for i in range(size))
-        if claimed != list(range(size)):
-            raise RendezvousError(
-                f"the {size} machines joined with machine ranks {claimed}; each of 0..{size - 1} must be used "
-                "exactly once (check --machine_rank on every machine)")
-        if self.machine_rank == 0:
+        node_rank = info.rank if self.elastic else self.machine_rank
+        if not self.elastic:
+            store.set(f"torchrig/machine_rank/{info.rank}", str(self.machine_rank))
+            claimed = sorted(int(store.get(f"torchrig/machine_rank/{i}").decode()) for i in range(size))
+            if claimed != list(range(size)):
+                raise RendezvousError(
+                    f"the {size} machines joined with machine ranks {claimed}; each of 0..{size - 1} must be used "
+                    "exactly once (check --machine_rank on every machine)")
+        if node_rank == 0:
             store.set("torchrig/master", f"{self.master_addr}:{free_port()}")
         addr, _, port = store.get("torchrig/master").decode().rpartition(":")
-        return RendezvousInfo(store, self.machine_rank, size, RendezvousStoreInfo(addr, int(port)))
+        return RendezvousInfo(store, node_rank, size, RendezvousStoreInfo(addr, int(port)))
 
     # everything else is the c10d handler's
     def get_backend(self) -> str:
@@ -153,12 +163,13 @@ def rendezvous_handler(plan: LaunchPlan) -> tuple[RendezvousHandler, str | None,
     params = RendezvousParameters(
         backend=backend, endpoint=endpoint,
         run_id=plan.run_id if not single else f"{plan.run_id}-{uuid.uuid4().hex[:8]}",
-        min_nodes=plan.num_nodes, max_nodes=plan.num_nodes,
+        min_nodes=plan.min_nodes or plan.num_nodes, max_nodes=plan.num_nodes,
         local_addr="127.0.0.1" if single else (master_addr if plan.node_rank == 0 else None), **configs,
     )
     handler = rdzv_registry.get_rendezvous_handler(params)
     if backend == "c10d":
-        handler = MachineRankRendezvous(handler, plan.node_rank, master_addr)
+        elastic = plan.min_nodes is not None and plan.min_nodes < plan.num_nodes
+        handler = MachineRankRendezvous(handler, plan.node_rank, master_addr, elastic=elastic)
     return handler, spec_addr, spec_port
 
 

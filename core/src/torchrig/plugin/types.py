@@ -179,6 +179,8 @@ class LaunchPlan:
     command: Sequence[str]
     nproc_per_node: int = 1
     num_nodes: int = 1
+    #: Elastic world size: the fewest nodes the rendezvous accepts (None: exactly ``num_nodes``).
+    min_nodes: int | None = None
     node_rank: int = 0
     #: ``c10d``, ``static``, or ``local``: one machine, no rendezvous round (the launcher's
     #: default there; see ``torchrig.launch.rendezvous.SingleNodeRendezvous``).
