@@ -25,7 +25,7 @@ from torchrig.config.options import CORE_SECTIONS
 
 #: Configuration keys that say where and how a run executes or reports, not what it computes.
 NON_FINGERPRINT_KEYS = frozenset({
-    "use_cpu", "device", "cluster", "num_processes", "num_machines", "machine_rank", "main_process_ip",
+    "use_cpu", "device", "cluster", "num_processes", "num_machines", "min_machines", "machine_rank", "main_process_ip",
     "main_process_port", "rdzv_backend", "rdzv_endpoint", "gpu_ids", "log_with", "disable_plugins", "strict_config",
     "dataloader_config.non_blocking",
 })
