@@ -14,14 +14,18 @@ started once for the whole repository — a fraction of a second, no interpreter
 from __future__ import annotations
 
 import gc
+import itertools
 import multiprocessing.process
 import os
+import pathlib
 import platform
+import re
 import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _pytest.mark.expression import Expression
 
 #: Markers whose tests may start processes: the three the fast tier deselects, and ``lint``.
 _EXEMPT_MARKERS = ("multiprocess", "packaging", "slow", "lint")
@@ -29,6 +33,40 @@ _EXEMPT_MARKERS = ("multiprocess", "packaging", "slow", "lint")
 # The standard library runs `uname -p` once per process, on first use, and caches the answer
 # (libraries such as MLflow ask): asked here, before any test, it is nobody's process.
 platform.processor()
+
+
+#: ``pytestmark = pytest.mark.NAME`` (or a list of such marks) at the top level of a test module.
+_MODULE_MARKS = re.compile(r"^pytestmark\s*=\s*\[?([^\n\]]*)", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
+    """A test module marked as a whole (``pytestmark = pytest.mark.multiprocess``) that the ``-m``
+    expression deselects is not imported at all: read, not imported, so the fast tier does not pay
+    for what its multi-process modules import (DeepSpeed, PEFT, Ray: seconds on each pytest worker)
+    only to deselect every test in them."""
+    expression = config.getoption("markexpr", "")
+    if not expression or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    try:
+        found = _MODULE_MARKS.search(collection_path.read_text(encoding="utf-8"))
+    except OSError:
+        return None
+    if found is None:
+        return None
+    marks = set(re.findall(r"pytest\.mark\.(\w+)", found.group(1)))
+    if not marks:
+        return None
+    # a test of the module may carry more marks than the module's: skipped only when no test could match
+    others = sorted(set(re.findall(r"[A-Za-z_]\w*", expression)) - {"and", "or", "not"} - marks)
+    try:
+        compiled = Expression.compile(expression)
+        for extra in itertools.chain.from_iterable(itertools.combinations(others, n) for n in range(len(others) + 1)):
+            present = marks | set(extra)
+            if compiled.evaluate(lambda name, **_: name in present):
+                return None
+    except Exception:  # noqa: BLE001 — an expression pytest will report itself
+        return None
+    return True
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
