@@ -550,7 +550,9 @@ def _refuse_and_wrap(ctx, directory):
         _trained(accelerator, steps=0)
         hook, run, prepared = accelerator._host.hook, accelerator._run, accelerator._models
         messages = []
-        for call in (lambda: hook.torchrig_save_strategy_state(run=run, prepared=prepared, directory=directory, writer=None),
+        writer = CheckpointWriter(directory, accelerator.process_index)
+        for call in (lambda: hook.torchrig_save_strategy_state(run=run, prepared=prepared, directory=directory,
+                                                               writer=writer),
                      lambda: hook.torchrig_load_strategy_state(run=run, prepared=prepared, directory=directory,
                                                                manifest={}, allow_pickle=False)):
             try:
