@@ -195,3 +195,38 @@ def test_context_and_async_tensor_parallel_settings_are_checked_before_launch(ho
                                                          "cp_load_balance": False}})
     options = resolve(host, config_file=good).section_of(ParallelismConfig)
     assert (options.cp_comm_strategy, options.cp_load_balance) == ("alltoall", False)
+
+
+def test_expert_parallel_size_is_checked_before_launch_naming_the_keys(host, tmp_path):
+    """``ep_size`` is borrowed from ``dp_shard`` (not a factor of the world size): it must divide
+    ``dp_shard_size``; a strategy without an ep axis, and the axes EP does not compose with yet, are refused."""
+    ok = resolve(host, config_file=config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4,
+                                                          "parallelism_config": {"dp_shard_size": 4, "ep_size": 2}}))
+    assert ok.section_of(ParallelismConfig).ep_size == 2 and ok.section_of(ParallelismConfig).enabled
+    inferred = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 8,
+                                      "parallelism_config": {"dp_replicate_size": 2, "dp_shard_size": -1, "ep_size": 4}})
+    assert resolve(host, config_file=inferred)["parallelism_config.ep_size"] == 4
+    uneven = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4,
+                                    "parallelism_config": {"dp_shard_size": 4, "ep_size": 3}})
+    text = problems(host, config_file=uneven)
+    assert "parallelism_config.ep_size" in text and "run.yaml:" in text
+    assert "ep_size=3 does not divide parallelism_config.dp_shard_size (4)" in text
+    alone = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4, "parallelism_config": {"ep_size": 2}})
+    assert "ep_size=2 does not divide parallelism_config.dp_shard_size (1)" in problems(host, config_file=alone)
+    ddp = config_file(tmp_path, {"strategy": "ddp", "num_processes": 4,
+                                 "parallelism_config": {"dp_replicate_size": 4, "ep_size": 2}})
+    assert "the strategy 'ddp' does not build an ep axis" in problems(host, config_file=ddp)
+    with_tp = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4,
+                                     "parallelism_config": {"dp_shard_size": 2, "tp_size": 2, "ep_size": 2}})
+    text = problems(host, config_file=with_tp)
+    assert "parallelism_config.ep_size" in text and "tp_size=2" in text and "not built" in text
+    bad = config_file(tmp_path, {"strategy": "fsdp", "num_processes": 4,
+                                 "parallelism_config": {"dp_shard_size": 4, "ep_size": -1}})
+    assert "parallelism_config.ep_size" in problems(host, config_file=bad)
+
+
+def test_the_launcher_offers_an_ep_size_flag(host):
+    from torchrig.launch.cli import build_parser
+
+    parser, _ = build_parser(host)
+    assert "--ep_size" in parser.format_help()

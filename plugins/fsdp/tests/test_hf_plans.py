@@ -85,7 +85,7 @@ def test_refused_styles_and_impossible_entries_are_errors_naming_the_entry():
         resolve_plan(model, plan, True, "LlamaForCausalLM's own tensor-parallel plan", own=True)
     text = str(excinfo.value)
     assert "'model.layers.*.self_attn.q_proj': style 'mla_kv_a_proj' is refused" in text
-    assert "'ep_dispatch_experts' is refused: expert parallelism" in text and "issue 37" in text
+    assert "'ep_dispatch_experts' is refused: an expert-parallel style" in text and "parallelism_config.ep_size" in text
     assert "unknown style 'diagonal'" in text
     assert "module 'model.layers.0.mlp.up_proj' has no style that runs its forward on local shards" in text
     assert "'packed_rowwise' applies to parameters, and 'model.layers.0.mlp.down_proj' is a module" in text

@@ -342,6 +342,9 @@ class TorchDynamoPlugin:
 
 #: Every axis a ``parallelism_config`` may set, outermost first, as Accelerate and torchtitan name them.
 PARALLELISM_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+#: Axes borrowed from another axis's ranks, not a factor of the world size: ``ep`` splits ``dp_shard``
+#: (expert parallelism, as torchtitan); a strategy that builds it declares it in ``parallelism_axes`` too.
+BORROWED_AXES = {"ep": "dp_shard"}
 #: torchrig's own tensor-parallel style names (torch.distributed.tensor.parallel's classes), for a
 #: strategy that builds a tp axis to declare (``PluginManifest.tp_styles``, with any names it translates).
 #: Which names a ``tp_plan`` may use is the selected strategy's declaration, checked in
@@ -404,6 +407,9 @@ class ParallelismConfig:
     tp_size: int = _size_option("tp", "tensor-parallel degree")
     cp_size: int = _size_option("cp", "context-parallel degree (GPU only)")
     pp_size: int = _size_option("pp", "pipeline stages")
+    ep_size: int = option(1, help="expert-parallel degree: each mixture-of-experts layer's experts split over ep ranks "
+                          "borrowed from dp_shard (must divide dp_shard_size), tokens sent to their experts' ranks",
+                          validator=at_least(1), flag="--ep_size", aliases=("parallelism_config_ep_size",))
     tp_plan: dict[str, str | None] | None = option(
         None, help="tensor-parallel plan: module-name glob -> a style the strategy declares (fsdp: colwise, rowwise, "
         "embedding, output, with sequence parallel sequence_parallel, prepare_input_sp, rowwise_sp, embedding_sp, "
@@ -443,8 +449,8 @@ class ParallelismConfig:
 
     @property
     def enabled(self) -> bool:
-        """Whether any size differs from 1 (all 1: the strategy's own layout applies)."""
-        return any(size != 1 for size in self.sizes.values())
+        """Whether any size differs from 1, ``ep_size`` included (all 1: the strategy's own layout applies)."""
+        return any(size != 1 for size in self.sizes.values()) or self.ep_size != 1
 
     @property
     def total_size(self) -> int:
@@ -485,6 +491,7 @@ __all__ = [
     "CORE_SECTIONS",
     "PREEMPTION_SIGNALS",
     "PROFILER_ACTIVITIES",
+    "BORROWED_AXES",
     "AutocastKwargs",
     "CoreOptions",
     "DataLoaderConfiguration",

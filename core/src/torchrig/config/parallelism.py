@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from torchrig.config.options import PARALLELISM_AXES, ParallelismConfig, TorchTensorParallelPlugin
+from torchrig.config.options import BORROWED_AXES, PARALLELISM_AXES, ParallelismConfig, TorchTensorParallelPlugin
 from torchrig.config.schema import Problem
 
 SECTION = "parallelism_config"
@@ -82,7 +82,8 @@ def parallelism_problems(
         problems += _tp_plan_problems(values.get(f"{SECTION}.tp_plan"), strategy, declared_tp_styles.get(strategy, ()),
                                       where)
     if all(size == 1 for size in checked.values()):
-        return problems  # no mesh asked for: the strategy's own layout applies
+        # no mesh asked for: the strategy's own layout applies (an ep_size alone has no dp_shard to borrow from)
+        return problems + _expert_problems(values, checked, strategy, declared_axes, where)
     resolved = checked
     if world_size is not None:
         resolved, found = infer_sizes(checked, world_size)
@@ -90,6 +91,7 @@ def parallelism_problems(
     elif sum(1 for size in checked.values() if size == -1) > 1:
         _, found = infer_sizes(checked, 0)
         problems += [Problem(key_of(axis), message, where(key_of(axis))) for axis, message in found]  # two -1 only
+    problems += _expert_problems(values, resolved, strategy, declared_axes, where)
     if strategy is not None:
         supported = declared_axes.get(strategy, ())
         for axis, size in resolved.items():
@@ -101,6 +103,39 @@ def parallelism_problems(
             problems.append(Problem(key_of(axis), (
                 f"{axis}_size={size} but the strategy {strategy!r} does not build a {axis} axis (it declares "
                 f"{', '.join(supported) or 'none'}); {instead}"), where(key_of(axis))))
+    return problems
+
+
+#: Axes expert parallelism does not compose with yet (refused by name rather than run untested).
+_NOT_WITH_EP = {"tp": "experts split over tp and ep together", "cp": "context-parallel shards routed to experts",
+                "pp": "pipeline stages holding experts"}
+
+
+def _expert_problems(values: Mapping[str, object], sizes: Mapping[str, int], strategy: str | None,
+                     declared_axes: Mapping[str, tuple[str, ...]], where: Callable[[str], str | None]) -> list[Problem]:
+    """``ep_size`` (borrowed from ``dp_shard``, :data:`BORROWED_AXES`): it must divide the resolved
+    ``dp_shard_size`` (-1 not yet inferred: judged at start), the selected strategy must declare an ``ep``
+    axis, and the axes EP is not built with yet are refused naming both keys."""
+    ep = values.get(key_of("ep"))
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep <= 1:
+        return []  # 1: no expert parallelism; a bad value is reported by the section's own validation
+    key, lender = key_of("ep"), BORROWED_AXES["ep"]
+    problems = []
+    if strategy is not None and "ep" not in declared_axes.get(strategy, ()):
+        others = sorted(name for name, axes in declared_axes.items() if "ep" in axes and name != strategy)
+        instead = f"use strategy {' or '.join(others)}" if others else "no installed strategy declares it"
+        problems.append(Problem(key, f"ep_size={ep} but the strategy {strategy!r} does not build an ep axis; {instead}",
+                                where(key)))
+    if sizes.get(lender, 1) > 0 and sizes.get(lender, 1) % ep:
+        problems.append(Problem(key, (
+            f"ep_size={ep} does not divide {key_of(lender)} ({sizes.get(lender, 1)}): expert parallelism borrows its "
+            f"ranks from {lender} (each ep group is ep ranks of one {lender} group); set {key_of(lender)} to a multiple "
+            f"of {ep}"), where(key)))
+    for axis, what in _NOT_WITH_EP.items():
+        if sizes.get(axis, 1) > 1:
+            problems.append(Problem(key, (
+                f"ep_size={ep} with {axis}_size={sizes[axis]} is not built yet ({what}); use ep_size with "
+                f"dp_shard_size and dp_replicate_size only, or set {key_of(axis)} to 1"), where(key)))
     return problems
 
 

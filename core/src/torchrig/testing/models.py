@@ -11,7 +11,9 @@ new model instead.
   loss, with the tensor-parallel plans :data:`TP_PLAN` and :data:`TP_SP_PLAN`; :func:`lm_data` its tokens;
 * :class:`PipeLM` — the same blocks written for pipeline splitting (a stage is the model with the other stages'
   modules set to ``None``), trained with :func:`lm_loss`;
-* :class:`CompileStack` — Linear+ReLU blocks with an optional graph break, for compilation counts.
+* :class:`CompileStack` — Linear+ReLU blocks with an optional graph break, for compilation counts;
+* :class:`MoeLM` — a causal language model whose MLPs are mixtures of experts (:class:`MoE`: a top-k router, a
+  load-balancing loss, :class:`GroupedExperts` with grouped GEMMs), declaring ``_ep_plan`` for expert parallelism.
 
 Tiny Hugging Face models (transformers configs, no network) are in :mod:`torchrig.testing.hf_models`, the LoRA
 workload every strategy's PEFT test trains in :mod:`torchrig.testing.peft_lora`.
@@ -210,3 +212,107 @@ class CompileStack(torch.nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+# -- a mixture-of-experts language model ---------------------------------------------------------------------------
+
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN = 4, 2, 32
+
+
+def grouped_linear(tokens: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``tokens`` (grouped by expert, ``counts[e]`` rows for expert ``e``) times each expert's ``weights[e]``
+    (``[experts, in, out]``): one grouped GEMM where torch has it for these shapes (``grouped_mm``: rows whose
+    bytes are multiples of 16), else a loop over the experts."""
+    width_in, width_out = weights.shape[-2:]
+    aligned = (width_in * tokens.element_size()) % 16 == 0 and (width_out * tokens.element_size()) % 16 == 0
+    if hasattr(torch.nn.functional, "grouped_mm") and aligned and tokens.shape[0] > 0:
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        return torch.nn.functional.grouped_mm(tokens, weights, offs=offsets)
+    pieces = tokens.split(counts.tolist())
+    return torch.cat([piece @ weights[index] for index, piece in enumerate(pieces)])
+
+
+class GroupedExperts(torch.nn.Module):
+    """``num_experts`` gated MLPs stored as 3-D weights (leading dimension: the expert), with transformers'
+    experts contract — ``forward(hidden_states [tokens, dim], top_k_index [tokens, k] (this module's expert
+    ids), top_k_weights [tokens, k])`` returns each token's weighted sum of its experts' outputs — so that
+    expert parallelism (``ep_dispatch_experts``) can hand it the tokens other ranks routed to its experts."""
+
+    def __init__(self, num_experts: int = MOE_EXPERTS, dim: int = DIM, hidden: int = MOE_HIDDEN) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up = torch.nn.Parameter(torch.randn(num_experts, dim, 2 * hidden) * dim ** -0.5)
+        self.down = torch.nn.Parameter(torch.randn(num_experts, hidden, dim) * hidden ** -0.5)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = top_k_index.shape
+        expert_ids = top_k_index.reshape(-1)
+        order = torch.argsort(expert_ids, stable=True)
+        counts = torch.bincount(expert_ids, minlength=self.num_experts)
+        grouped = hidden_states[order // top_k]
+        gate, up = grouped_linear(grouped, self.gate_up, counts).chunk(2, dim=-1)
+        out = grouped_linear(torch.nn.functional.silu(gate) * up, self.down, counts)
+        out = torch.empty_like(out).index_copy(0, order, out)  # back to (token, slot) order
+        return (out.view(tokens, top_k, -1) * top_k_weights.unsqueeze(-1)).sum(dim=1)
+
+
+class MoE(torch.nn.Module):
+    """A top-k softmax router over all tokens, then :class:`GroupedExperts`. ``aux_loss`` (set by each forward)
+    is the Switch Transformer load-balancing loss: experts x sum over experts of (fraction of routed slots) x
+    (mean router probability)."""
+
+    def __init__(self, num_experts: int = MOE_EXPERTS, top_k: int = MOE_TOP_K) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = torch.nn.Linear(DIM, num_experts, bias=False)
+        self.experts = GroupedExperts(num_experts)
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(flat).float(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
+        experts = probs.shape[-1]
+        routed = torch.nn.functional.one_hot(index, experts).sum(dim=1).float().mean(dim=0) / self.top_k
+        self.aux_loss = experts * (routed * probs.mean(dim=0)).sum()
+        return self.experts(flat, index, weights).view_as(x)
+
+
+class MoeBlock(torch.nn.Module):
+    """Pre-norm attention + :class:`MoE`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(DIM), torch.nn.LayerNorm(DIM)
+        self.attn, self.moe = Attention(), MoE()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.moe(self.norm2(x))
+
+
+class MoeLM(torch.nn.Module):
+    """:class:`TinyLM` with :class:`MoeBlock` s: ``forward(tokens, labels)`` returns the cross-entropy plus
+    ``aux_loss_coef`` x the blocks' load-balancing losses. ``_ep_plan`` (transformers' attribute and style
+    name) says which modules hold experts to place on expert-parallel ranks."""
+
+    _no_split_modules = ["MoeBlock"]
+    _ep_plan = {"blocks.*.moe.experts": "ep_dispatch_experts"}
+
+    def __init__(self, layers: int = 2, aux_loss_coef: float = 0.01) -> None:
+        super().__init__()
+        self.aux_loss_coef = aux_loss_coef
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.blocks = torch.nn.ModuleList(MoeBlock() for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.norm(h))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+        return loss + self.aux_loss_coef * sum(block.moe.aux_loss for block in self.blocks)

@@ -9,10 +9,11 @@ order (tested), and takes its refusal reasons from here, so the launcher and the
 
 from __future__ import annotations
 
-#: Expert parallelism (tokens dispatched to the rank holding their expert) is issue 37's.
+#: Expert parallelism is not a tensor-parallel style: the model's own ep plan applies it over the ep axis.
 EXPERT_PARALLEL_REFUSAL = (
-    "expert parallelism (experts placed on different ranks, tokens dispatched to them) is not built yet "
-    "(torchrig issue 37); tensor-parallel MoE works: a plan with 'moe_tp_experts' splits every expert over tp")
+    "an expert-parallel style, not a tensor-parallel one: set parallelism_config.ep_size and the model's own "
+    "expert-parallel plan (_ep_plan / base_model_ep_plan) places its experts on the ep ranks "
+    "(torchrig_fsdp.expert_parallel); within a tp_plan, 'moe_tp_experts' splits every expert over tp")
 
 #: Styles torchrig recognises but cannot honour exactly: name -> why, and what to do instead.
 REFUSED_STYLES: dict[str, str] = {

@@ -43,7 +43,7 @@ class FSDPManifest(PluginManifest):
     install_hint = "torchrig[fsdp]"
     requires = ()  # torch is a dependency of torchrig itself
     aliases = ("FSDP",)
-    parallelism_axes = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the N-D mesh: torchrig_fsdp.mesh
+    parallelism_axes = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")  # the N-D mesh: torchrig_fsdp.mesh; ep: expert_parallel
     # a tp_plan may use torchrig's names and transformers' (copied from a model's _tp_plan); hf_styles maps them
     tp_styles = tuple(dict.fromkeys((*TP_STYLES, *TRANSFORMERS_STYLE_NAMES)))
     distributed_type = "FSDP"

@@ -42,7 +42,7 @@ from torchrig.plugin import (
     install_loss_scaling,
 )
 
-from torchrig_fsdp import async_tp, pipeline, submeshes
+from torchrig_fsdp import async_tp, expert_parallel, pipeline, submeshes
 from torchrig_fsdp import checkpoint as fsdp_checkpoint
 from torchrig_fsdp import mesh as nd
 from torchrig_fsdp.constants import HYBRID, SECTION
@@ -127,6 +127,7 @@ class FSDPStrategy:
         mesh = run.stash[MESH] = init_device_mesh(run.device.device.type, shape, mesh_dim_names=names)
         named = run.stash[SUBMESHES] = (submeshes.named_meshes(mesh) if nd.parallelism(run).enabled
                                         else {name: mesh[name] for name in names})
+        named.update(expert_parallel.expert_submeshes(mesh, nd.parallelism(run).ep_size))  # ep, efsdp
         run.stash[DP_GROUP] = nd.data_parallel_group(mesh, named)
         async_tp.enable(run, named.get("tp"))
         _explain_no_ops(options)
@@ -201,6 +202,8 @@ class FSDPStrategy:
         device = run.device.device
         # the model's or the user's plan, made to follow LoRA adapters when the model has some (wrapping.py)
         apply_tensor_parallel(run, model, mesh, options.parallelize_fn, require_match=nd.pp_mesh(mesh) is None)
+        named = run.stash.get(SUBMESHES, {})
+        experts = expert_parallel.place_experts(model, named)  # ep_size: experts Shard(0) over ep, before fully_shard
         if nd.parallelism(run).loss_parallel:
             nd.wrap_loss_parallel(model)
         shard_mesh = nd.data_mesh(mesh) if nd.parallelism(run).enabled else mesh
@@ -222,6 +225,9 @@ class FSDPStrategy:
             # own layers, in param_dtype); only the root's output is cast (output_dtype).
             block_policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
                                                 cast_forward_inputs=policy.cast_forward_inputs)
+            if experts:  # over efsdp, before the blocks holding them (expert_parallel.py)
+                expert_parallel.fully_shard_experts(root, experts, expert_parallel.experts_shard_mesh(named["experts"]),
+                                                    mp_policy=block_policy, **{k: v for k, v in kwargs.items() if k != "mesh"})
             for block in blocks:  # children before the blocks containing them, then the root
                 fully_shard(block, mp_policy=block_policy, **kwargs)
             if options.reshard_after_forward is None and kwargs["reshard_after_forward"] is True:
