@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 import yaml
 from torchrig.estimate.fake_world import FakeWorldError, fake_world
-from torchrig.estimate.plan import PlanInputs, PlanTarget, plan_run, representative_ranks
+from torchrig.estimate.plan import PlanInputs, PlanTarget, plan_run, recorded_step, representative_ranks
 from torchrig.testing import hf_models
 
 
@@ -91,3 +91,29 @@ def test_a_fake_world_refuses_a_process_that_has_a_group_and_impossible_shapes()
             with fake_world(16, 0, local_world_size=8):
                 pass
     assert not dist.is_initialized()
+
+
+@pytest.mark.scale  # 7 s: out of the fast tier
+def test_expert_parallel_all_to_all_bytes_are_counted_on_the_ep_axis(tmp_path):
+    """ep 4 borrowed from dp_shard 8 (MoeLM: 2 MoE layers, 4 experts, top-2, width 32, bf16): per layer the
+    forward sends the per-expert counts and the rows to the experts and back (3 all-to-alls), backward the
+    two row exchanges again; each row exchange carries every (token, slot) pair, balanced over the experts when
+    planned. The experts' FSDP2 traffic runs on efsdp (dp_shard 8 / ep 4), the rest on dp_shard."""
+    from torchrig.testing.models import MOE_EXPERTS, MOE_TOP_K, MoeLM
+
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"strategy": "fsdp", "mixed_precision": "bf16",
+                                   "parallelism_config": {"dp_shard_size": 8, "ep_size": 4}}))
+    seq_len = 64
+    report = plan_run(PlanInputs(model="torchrig.testing.models:MoeLM", batch_size=1, seq_len=seq_len,
+                                 environment={"TORCHRIG_CONFIG_FILE": str(run)}), PlanTarget(1, 8), recorded_step)
+    (plan,) = report.ranks
+    assert plan.error is None, plan.error
+    by_axis = {(summary.axis, summary.kind): summary for summary in plan.step.collectives}
+    exchange = by_axis["ep", "all_to_all"]
+    layers = len(MoeLM().blocks)
+    rows_bytes = seq_len * MOE_TOP_K * 32 * 2  # bf16 rows of width 32
+    assert exchange.group_size == 4 and exchange.count == 5 * layers
+    assert exchange.payload_bytes == 4 * layers * rows_bytes + layers * MOE_EXPERTS * 8  # rows, the int64 counts
+    assert {"efsdp", "dp_shard"} <= {axis for axis, _ in by_axis}
+    assert by_axis["efsdp", "all_gather"].group_size == 2

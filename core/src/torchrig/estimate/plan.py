@@ -392,6 +392,9 @@ def recorded_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: t
     started = time.perf_counter()
     mesh = accelerator.torch_device_mesh
     axes = mesh_axes(mesh) if mesh is not None else {}
+    for name, submesh in accelerator.device_submeshes.items():  # axes a strategy made outside the root mesh (ep)
+        if submesh.ndim == 1:
+            axes.setdefault(submesh.get_group().group_name, name)
     unwrapped = accelerator.unwrap_model(model)
     optimizers = [getattr(optimizer, "optimizer", optimizer)]
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):

@@ -32,8 +32,9 @@ DTYPE_PRECISIONS = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "float8_e4m3fn
                     "fp16": "fp16", "float32": "fp32", "float": "fp32", "fp32": "fp32", "tf32": "tf32"}
 
 #: The mesh axes whose collectives are FSDP's/DDP's parameter and gradient traffic (prefetched and
-#: overlapped with compute), as ParallelDims names them and their flattenings.
-DATA_AXES = ("dp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp_cp", "world")
+#: overlapped with compute), as ParallelDims names them and their flattenings; ``efsdp`` is what is left of
+#: ``dp_shard`` once expert parallelism borrows ``ep`` from it (torchtitan's name), the experts' FSDP2 axis.
+DATA_AXES = ("dp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp_cp", "efsdp", "world")
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 #: The phases of a step, in order (:class:`~torchrig.estimate.costs.CollectiveRecord`'s ``phase``).

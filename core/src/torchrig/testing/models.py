@@ -249,7 +249,7 @@ class GroupedExperts(torch.nn.Module):
         tokens, top_k = top_k_index.shape
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)
-        counts = torch.bincount(expert_ids, minlength=self.num_experts)
+        counts = expert_ids.new_zeros(self.num_experts).scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
         grouped = hidden_states[order // top_k]
         gate, up = grouped_linear(grouped, self.gate_up, counts).chunk(2, dim=-1)
         out = grouped_linear(torch.nn.functional.silu(gate) * up, self.down, counts)
@@ -308,6 +308,11 @@ class MoeLM(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(MoeBlock() for _ in range(layers))
         self.norm = torch.nn.LayerNorm(DIM)
         self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def example_inputs(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``torchrig plan`` feeds one step: token ids as their own labels."""
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        return ids, ids
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single_autograd
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -215,18 +216,37 @@ class ExpertParallel(ParallelStyle):
         return module
 
 
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many (token, slot) pairs each expert got: ``bincount`` with a fixed output size (a scatter-add), so
+    it also runs on fake tensors, where ``torch.bincount``'s data-dependent size cannot."""
+    counts = expert_ids.new_zeros(num_experts)
+    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
+
+
+def balanced_split(rows: int, parts: int) -> list[int]:
+    """``rows`` split into ``parts`` as evenly as integers allow (the first parts one larger)."""
+    return [rows // parts + (1 if index < rows % parts else 0) for index in range(parts)]
+
+
 def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, weights: torch.Tensor, global_experts: int,
              ep_size: int, group: Any) -> tuple[torch.Tensor, torch.Tensor, _Routing]:
     """Send each (token, expert) pair to the rank holding the expert (experts are numbered rank by rank):
     returns the rows this rank's experts run on, their local expert ids, and the routing for :func:`combine`.
-    One host sync per layer (the split sizes)."""
+    One host sync per layer (the split sizes). Planned (``torchrig plan``: fake tensors, whose routing has
+    no values), the router is taken to balance the pairs over the experts, the mean of a trained router
+    with a load-balancing loss, so the all-to-alls carry the bytes of that case."""
     top_k, local_experts = top_k_index.shape[-1], global_experts // ep_size
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)  # grouped by expert, so by owning rank
-    send_counts = torch.bincount(expert_ids, minlength=global_experts).view(ep_size, local_experts)
+    send_counts = expert_counts(expert_ids, global_experts).view(ep_size, local_experts)
     receive_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(receive_counts, send_counts, group=group)
-    send, receive = torch.stack([send_counts.sum(dim=1), receive_counts.sum(dim=1)]).tolist()
+    if isinstance(hidden, FakeTensor):
+        send = receive = balanced_split(expert_ids.shape[0], ep_size)
+        per_expert = [count for rank_rows in receive for count in balanced_split(rank_rows, local_experts)]
+        receive_counts = torch.tensor(per_expert, device=hidden.device)
+    else:
+        send, receive = torch.stack([send_counts.sum(dim=1), receive_counts.sum(dim=1)]).tolist()
     received = _exchange(hidden[order // top_k], receive, send, group)
     local_ids = torch.arange(local_experts, device=hidden.device).repeat(ep_size)
     local_ids = local_ids.repeat_interleave(receive_counts.reshape(-1), output_size=received.shape[0])
@@ -292,5 +312,5 @@ def fully_shard_experts(root: torch.nn.Module, experts: list[torch.nn.Module], s
 
 
 __all__ = ["EXPERT_AXES", "MODULE_STYLE", "PARAMETER_STYLE", "PLAN_ATTRIBUTES", "ExpertParallel",
-           "apply_expert_parallel", "check_experts", "combine", "dispatch", "expert_mesh", "expert_submeshes",
-           "experts_modules", "experts_shard_mesh", "fully_shard_experts", "local_expert_weights", "model_ep_plan", "place_experts"]
+           "apply_expert_parallel", "balanced_split", "check_experts", "combine", "dispatch", "expert_mesh", "expert_submeshes",
+           "expert_counts", "experts_modules", "experts_shard_mesh", "fully_shard_experts", "local_expert_weights", "model_ep_plan", "place_experts"]
