@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
-from torchrig.plugin import at_least, class_names, enum_name, option, suggest
+from torchrig.plugin import at_least, between, class_names, enum_name, option, suggest
 
 from torchrig_fsdp.constants import AUTO_WRAP_POLICIES, BACKWARD_PREFETCH, SHARDING_STRATEGIES, STATE_DICT_TYPES
 
@@ -43,6 +43,8 @@ DEFAULT_MIN_NUM_PARAMS = 100_000_000
 #: Keys of a ``mixed_precision_policy`` mapping: FSDP2's ``MixedPrecisionPolicy`` fields, plus FSDP1's
 #: ``buffer_dtype`` (accepted, no effect: FSDP2 does not cast buffers).
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs", "buffer_dtype")
+#: ``activation_checkpointing_policy`` values (torchrig_fsdp.activation_checkpointing applies them).
+AC_POLICIES = ("full", "every_k", "selective", "memory_budget")
 DTYPE_NAMES = ("bf16", "bfloat16", "fp16", "float16", "half", "fp32", "float32", "float")
 
 # Accelerate's (and torch enums') integer codes: ShardingStrategy(1) is FULL_SHARD, ...
@@ -296,8 +298,32 @@ class FullyShardedDataParallelPlugin:
         aliases=_fsdp("sync_module_states"))
     forward_prefetch: bool = option(False, help="prefetch the next block's all-gather during forward",
                                     aliases=_fsdp("forward_prefetch"))
-    activation_checkpointing: bool = option(False, help="recompute each wrapped block's activations in backward",
+    activation_checkpointing: bool = option(False, help="recompute each wrapped block's activations in backward "
+                                            "(activation_checkpointing_policy: full)",
                                             aliases=_fsdp("activation_checkpointing"))
+    activation_checkpointing_policy: str | None = option(
+        None, help="which activations are recomputed (setting it turns checkpointing on): full (each wrapped block), "
+                   "every_k (every k-th block), selective (op level: keep matmul and attention outputs, recompute the "
+                   "rest), memory_budget (torch.compile picks what to recompute to fit a budget); docs/memory.md",
+        aliases=_fsdp("activation_checkpointing_policy"), choices=AC_POLICIES, validator=_one_of(AC_POLICIES, optional=True))
+    activation_checkpointing_every_k: int | None = option(
+        None, help="every_k: checkpoint the k-th, 2k-th, ... wrapped block (default 2)",
+        aliases=_fsdp("activation_checkpointing_every_k"), validator=at_least(1))
+    activation_checkpointing_matmul_every_k: int | None = option(
+        None, help="selective: keep every k-th matmul output of a block and recompute the others (default 1: all; "
+                   "2: every other, as torchtitan's op SAC)",
+        aliases=_fsdp("activation_checkpointing_matmul_every_k"), validator=at_least(1))
+    activation_checkpointing_memory_budget: float | None = option(
+        None, help="memory_budget: fraction of the activations torch.compile's partitioner may keep (0: recompute "
+                   "all, 1: keep all); needs torch.compile (dynamo_config.backend)",
+        aliases=_fsdp("activation_checkpointing_memory_budget"), validator=between(0.0, 1.0))
+    activation_offload: bool = option(
+        False, help="keep the tensors wrapped blocks save for backward in CPU memory (torch save_on_cpu, pinned on "
+                    "CUDA); blocks that are checkpointed are left out",
+        aliases=_fsdp("activation_offload", "fsdp_activation_checkpointing_offload"))
+    activation_offload_every_k: int | None = option(
+        None, help="activation_offload: offload every k-th of the blocks checkpointing leaves alone (default 1: all)",
+        aliases=_fsdp("activation_offload_every_k"), validator=at_least(1))
     cpu_ram_efficient_loading: bool = option(
         False, help="only rank 0 loads weights into CPU memory, the others start on the meta device and receive them "
                     "(needs sync_module_states)",
@@ -317,6 +343,7 @@ class FullyShardedDataParallelPlugin:
 
 
 __all__ = [
+    "AC_POLICIES",
     "AUTO_WRAP_POLICIES",
     "BACKWARD_PREFETCH",
     "DEFAULT_MIN_NUM_PARAMS",

@@ -42,7 +42,7 @@ from torchrig.plugin import (
     install_loss_scaling,
 )
 
-from torchrig_fsdp import async_tp, expert_parallel, pipeline, submeshes
+from torchrig_fsdp import activation_checkpointing, async_tp, expert_parallel, pipeline, submeshes
 from torchrig_fsdp import checkpoint as fsdp_checkpoint
 from torchrig_fsdp import mesh as nd
 from torchrig_fsdp.constants import HYBRID, SECTION
@@ -50,7 +50,7 @@ from torchrig_fsdp.explain import FSDPConfigError, noted
 from torchrig_fsdp.materialize import MaterializeError, materialize, meta_modules
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 from torchrig_fsdp.partial_norms import dtensor_grad_norm
-from torchrig_fsdp.wrapping import apply_tensor_parallel, as_modules, checkpoint_forward, wrap_blocks
+from torchrig_fsdp.wrapping import apply_tensor_parallel, as_modules, wrap_blocks
 
 #: The device mesh of this run (built in ``torchrig_configure``; ``None`` with one process).
 MESH = StashKey[Any]("fsdp.mesh")
@@ -163,6 +163,8 @@ class FSDPStrategy:
                 model.to(device)
             if _has_meta(model) and not fsdp_options(run).cpu_ram_efficient_loading:
                 _materialize(model, fsdp_options(run), None, device, run)
+            if activation_checkpointing.wanted(fsdp_options(run)):  # unsharded, but its blocks still checkpointed
+                activation_checkpointing.install(run, wrap_blocks(model, fsdp_options(run), run), fsdp_options(run))
             return prepared
         options = fsdp_options(run)
         slots = _parameter_slots(model)
@@ -210,15 +212,15 @@ class FSDPStrategy:
         if shard_mesh is None:  # tensor parallel alone: no data axis to shard over
             if run.section(CoreOptions).mixed_precision == "fp16" and nd.tp_mesh(mesh) is not None:
                 raise FSDPConfigError(_FP16_TP_ALONE)
+            for root in roots if activation_checkpointing.wanted(options) else ():
+                activation_checkpointing.install(run, wrap_blocks(root, options, run), options)
             _materialize(model, options, rank0_state, device, run)
             for optimizer in prepared.optimizers:
                 remap_optimizer(optimizer, slots)
             return
         for root in roots:
             blocks = wrap_blocks(root, options, run)
-            if options.activation_checkpointing:
-                for block in blocks:
-                    checkpoint_forward(block)
+            activation_checkpointing.install(run, blocks, options)  # before fully_shard: recompute inside its hooks
             kwargs = _shard_kwargs(run, options, root, shard_mesh)
             policy = kwargs.pop("mp_policy")
             # Blocks return what they computed in (a block's output feeds the next block or the root's

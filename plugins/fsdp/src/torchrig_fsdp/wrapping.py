@@ -1,12 +1,11 @@
 """Which submodules get their own ``fully_shard`` (``auto_wrap_policy``: Hugging Face's
-``_no_split_modules``, named classes, torch's size-based rule, or an FSDP1-style callable),
-activation checkpointing of those blocks, and the tensor-parallel plan of a model wrapped by LoRA
-adapters (peft renames the layers a plan names, so the plan must follow them: :func:`adapter_tp_plan`)."""
+``_no_split_modules``, named classes, torch's size-based rule, or an FSDP1-style callable; their activation
+checkpointing is in :mod:`torchrig_fsdp.activation_checkpointing`), and the tensor-parallel plan of a model
+wrapped by LoRA adapters (peft renames the layers a plan names, so the plan must follow them: :func:`adapter_tp_plan`)."""
 
 from __future__ import annotations
 
 import fnmatch
-import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,21 +115,6 @@ def as_modules(value: Any) -> list[torch.nn.Module]:
     if isinstance(value, torch.nn.Module):
         return [value]
     return [m for m in value if isinstance(m, torch.nn.Module)]
-
-
-def checkpoint_forward(block: torch.nn.Module) -> None:
-    """Activation checkpointing of one block: its forward runs under ``torch.utils.checkpoint``
-    (non-reentrant), inside FSDP2's hooks, so the recomputation in backward finds the block's
-    parameters gathered. Parameter names are unchanged (unlike ``checkpoint_wrapper``)."""
-    from torch.utils.checkpoint import checkpoint
-
-    forward = block.forward
-
-    @functools.wraps(forward)
-    def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    block.forward = checkpointed
 
 
 def _lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -247,4 +231,4 @@ def apply_tensor_parallel(run: RunContext, model: torch.nn.Module, mesh: Any, pa
     mesh_module._retie(model, tied, where)
 
 
-__all__ = ["adapter_tp_plan", "apply_tensor_parallel", "as_modules", "checkpoint_forward", "wrap_blocks", "written_by_operator"]
+__all__ = ["adapter_tp_plan", "apply_tensor_parallel", "as_modules", "wrap_blocks", "written_by_operator"]
