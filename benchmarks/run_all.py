@@ -42,6 +42,7 @@ BENCHMARKS = [
     (("B12",), "bench_startup.py", [], ["--rounds", "2"]),
     (("B13", "B14", "B15"), "bench_mesh.py", [], ["--trials", "1", "--copies", "1", "--rounds", "2", "--steps", "1"]),
     (("B16", "B17"), "bench_fp8.py", [], ["--quick"]),
+    (("B19",), "bench_expert_parallel.py", [], ["--trials", "1", "--copies", "1", "--rounds", "2", "--steps", "1"]),
     (("B20", "B20 FSDP2×TP", "B20 GPU"), "bench_hf_llama.py", [], ["--smoke", "--trials", "1", "--rounds", "1"]),
 ]
 
