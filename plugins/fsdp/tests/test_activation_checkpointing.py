@@ -9,12 +9,18 @@ and one pooled 2-rank FSDP2 run.
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
+from torchrig.plugin import ConfigError
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.memory import bytes_held_since, live_storages
 from torchrig.testing.models import SEQ, VOCAB, LMBlock, TinyLM
+from torchrig_fsdp.explain import FSDPConfigError
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
 TIMEOUT = 120
@@ -107,6 +113,13 @@ def test_activation_offload_packs_the_chosen_blocks_saved_tensors_and_leaves_gra
     assert packed[1] == packed[3]  # same block, same saved tensors
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, reference[name])
+    # under full checkpointing a block keeps its input alone: that is what the hooks move
+    _, model, _ = prepared(activation_checkpointing=True, activation_offload=True)
+    model(tokens, labels).backward()
+    input_bytes = tokens.numel() * model.embed.embedding_dim * 4
+    assert [(offload_stats(b).packed, offload_stats(b).bytes) for b in model.blocks] == [(1, input_bytes)] * BLOCKS
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference[name])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned CPU memory and device copies need CUDA")
@@ -127,10 +140,8 @@ def test_memory_budget_sets_the_compile_partitioner_budget_and_refuses_eager():
     import torch._functorch.config as functorch_config
     from torchrig import Accelerator
     from torchrig.plugin import TorchDynamoPlugin
-    from torchrig_fsdp.explain import FSDPConfigError
-
     config = {"activation_checkpointing_policy": "memory_budget", "activation_checkpointing_memory_budget": 0.25}
-    with pytest.raises(FSDPConfigError, match="activation_checkpointing_memory_budget.*torch.compile.*dynamo"):
+    with pytest.raises(ConfigError, match="activation_checkpointing_memory_budget.*torch.compile.*dynamo_config"):
         prepared(**config)
     before = functorch_config.activation_memory_budget
     try:
@@ -141,6 +152,51 @@ def test_memory_budget_sets_the_compile_partitioner_budget_and_refuses_eager():
         assert functorch_config.activation_memory_budget == 0.25
     finally:
         functorch_config.activation_memory_budget = before
+
+
+def test_options_their_policy_does_not_read_and_every_k_beyond_the_blocks_are_refused():
+    with pytest.raises(ConfigError) as info:
+        prepared(activation_checkpointing_policy="selective", activation_checkpointing_every_k=3,
+                 activation_checkpointing_memory_budget=0.5)
+    problems = "\n".join(info.value.problems)
+    assert "fsdp_config.activation_checkpointing_every_k" in problems and "policy is selective" in problems
+    assert "fsdp_config.activation_checkpointing_memory_budget" in problems
+    with pytest.raises(FSDPConfigError, match="activation_checkpointing_every_k .5. is larger than .* blocks .4."):
+        prepared(activation_checkpointing_policy="every_k", activation_checkpointing_every_k=5)
+    with pytest.raises(ConfigError, match="activation_offload_every_k.*activation_offload: true"):
+        prepared(activation_offload_every_k=2)
+    with pytest.raises(ConfigError, match="activation_checkpointing_policy.*NO_WRAP"):
+        prepared(activation_checkpointing_policy="every_k", auto_wrap_policy="NO_WRAP")
+
+
+@pytest.mark.multiprocess
+def test_launch_refuses_memory_budget_without_compile_and_offload_without_blocks_with_exit_2(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(textwrap.dedent("""\
+        distributed_type: FSDP
+        use_cpu: true
+        num_processes: 2
+        fsdp_config:
+          fsdp_activation_checkpointing_policy: memory_budget
+          fsdp_activation_checkpointing_memory_budget: 0.5
+        """))
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not start')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
+    result = subprocess.run([sys.executable, "-m", "torchrig", "launch", "--config_file", str(config), str(script)],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "fsdp_config.activation_checkpointing_memory_budget" in result.stderr and "--dynamo_backend" in result.stderr
+    assert "Traceback" not in result.stderr and "must not start" not in result.stderr
+    # Accelerate's offload flag sets activation_offload, which NO_WRAP leaves nothing to act on
+    config.write_text("distributed_type: FSDP\nuse_cpu: true\nnum_processes: 2\nfsdp_config:\n"
+                      "  fsdp_auto_wrap_policy: NO_WRAP\n")
+    result = subprocess.run([sys.executable, "-m", "torchrig", "launch", "--config_file", str(config),
+                             "--fsdp_activation_checkpointing_offload", "true", str(script)],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "fsdp_config.activation_offload (flag --fsdp_activation_checkpointing_offload)" in result.stderr
+    assert "NO_WRAP" in result.stderr and "Traceback" not in result.stderr
 
 
 # -- FSDP2 on two ranks ----------------------------------------------------------------------------------
@@ -175,7 +231,7 @@ def test_policy_and_offload_apply_under_fsdp2_on_two_ranks(gloo_pool):
     for result in results:
         assert result["sharded"] == "DTensor"
         assert result["calls"] == [1, 2, 1, 2]
-        # offload takes the blocks checkpointing leaves alone (1 and 3): a checkpointed block saves nothing to offload
-        assert result["packed"][0] == result["packed"][2] > 0 and result["packed"][1] == result["packed"][3] == 0
+        # blocks 2 and 4 are checkpointed: the offload hooks see the one input each keeps; blocks 1 and 3 save all
+        assert result["packed"][0] == result["packed"][2] > 1 and result["packed"][1] == result["packed"][3] == 1
         for name, p in reference.named_parameters():
             torch.testing.assert_close(result["grads"][name], p.grad, atol=1e-5, rtol=1e-4)

@@ -205,9 +205,8 @@ ACCELERATE_LAUNCH_FLAGS: tuple[AccelerateFlag, ...] = (
                   "fsdp_backward_prefetch fsdp_state_dict_type fsdp_forward_prefetch fsdp_use_orig_params "
                   "fsdp_cpu_ram_efficient_loading fsdp_sync_module_states fsdp_activation_checkpointing",
                   "fsdp_config.{name}", strategy="FSDP"),
-    AccelerateFlag("--fsdp_activation_checkpointing_offload", "rejected", takes_value=True,
-                   note="offloading checkpointed activations to the CPU is not implemented "
-                        "(fsdp_config.activation_checkpointing keeps them on the device)"),
+    AccelerateFlag("--fsdp_activation_checkpointing_offload", "config", "fsdp_config.activation_offload",
+                   takes_value=True, strategy="FSDP"),
     *_value_flags("key", " ".join(
         f"megatron_lm_{name}" for name in (
             "tp_degree use_custom_fsdp no_load_optim eod_mask_loss overlap_cpu_optimizer_d2h_h2d no_save_optim "

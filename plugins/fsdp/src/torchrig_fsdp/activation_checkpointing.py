@@ -14,9 +14,10 @@ parameters gathered; under a pipeline each stage's blocks are counted on their o
   ``torch.compile``'s min-cut partitioner choose what to recompute to fit the budget (0: recompute all,
   1: keep all), so it needs ``torch.compile`` (refused without, before launch and at prepare).
 
-Offload packs the tensors a block saves for backward into CPU memory with ``torch.autograd.graph.save_on_cpu``'s
-hooks (pinned when CUDA is available) and counts them (:func:`offload_stats`): the effect can be checked on
-any machine. Tensors already in CPU memory are kept as they are (nothing to move).
+Offload packs the tensors a block saves for backward (a checkpointed block: the inputs it keeps) into CPU memory
+with ``torch.autograd.graph.save_on_cpu``'s hooks (pinned when CUDA is available) and counts them
+(:func:`offload_stats`): the effect can be checked on any machine. Tensors already in CPU memory are kept as they
+are (nothing to move).
 """
 
 from __future__ import annotations
@@ -85,27 +86,33 @@ def every_kth(blocks: Sequence[torch.nn.Module], k: int) -> list[torch.nn.Module
 
 
 def apply(blocks: Sequence[torch.nn.Module], options: FullyShardedDataParallelPlugin, *, compiled: bool) -> None:
-    """Install the configured checkpointing policy and offload on ``blocks`` (one root's, in forward order).
+    """Install the configured checkpointing policy, then offload, on ``blocks`` (one root's, in forward order).
 
-    A block is checkpointed or offloaded, not both: a checkpointed block keeps its inputs only (and ``selective``
-    its kept outputs in its own cache), so no saved tensor would reach the offload hooks. Offload takes every
-    k-th block of those checkpointing leaves alone (all blocks without checkpointing)."""
+    Offload wraps the checkpointed forward from outside: a checkpointed block's hooks see the inputs it keeps for
+    the recomputation (what DeepSpeed calls checkpoint offload; ``selective`` keeps its saved op outputs in its own
+    cache, on the device), a block left alone's see everything it saves."""
     policy = resolved_policy(options)
-    checkpointed: list[torch.nn.Module] = []
+    key = f"{SECTION}.activation_checkpointing_every_k"
     if policy == "memory_budget":
         set_memory_budget(options.activation_checkpointing_memory_budget, compiled=compiled)
     elif policy == "selective":
         context_fn = selective_context_fn(options.activation_checkpointing_matmul_every_k or 1)
-        checkpointed = list(blocks)
-        for block in checkpointed:
+        for block in blocks:
             checkpoint_forward(block, context_fn=context_fn)
     elif policy is not None:
-        checkpointed = list(blocks) if policy == "full" else every_kth(blocks, options.activation_checkpointing_every_k or 2)
-        for block in checkpointed:
+        chosen = list(blocks) if policy == "full" else every_kth(blocks, options.activation_checkpointing_every_k or 2)
+        if blocks and not chosen:
+            raise FSDPConfigError(f"{key} ({options.activation_checkpointing_every_k}) is larger than the number of "
+                                  f"wrapped blocks ({len(blocks)}), so no block would be checkpointed; lower it")
+        for block in chosen:
             checkpoint_forward(block)
     if options.activation_offload:
-        left = [block for block in blocks if all(block is not other for other in checkpointed)]
-        for block in every_kth(left, options.activation_offload_every_k or 1):
+        chosen = every_kth(blocks, options.activation_offload_every_k or 1)
+        if blocks and not chosen:
+            raise FSDPConfigError(f"{SECTION}.activation_offload_every_k ({options.activation_offload_every_k}) is "
+                                  f"larger than the number of wrapped blocks ({len(blocks)}), so nothing would be "
+                                  "offloaded; lower it")
+        for block in chosen:
             offload_forward(block)
 
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torchrig.plugin import ConfigProblem, CoreOptions, DataLoaderConfiguration, ParallelismConfig, ResolvedConfig
+from torchrig.plugin import (
+    ConfigProblem,
+    CoreOptions,
+    DataLoaderConfiguration,
+    ParallelismConfig,
+    ResolvedConfig,
+    TorchDynamoPlugin,
+)
 
 from torchrig_fsdp.constants import HYBRID, SECTION
 from torchrig_fsdp.hf_style_names import REFUSED_STYLES
@@ -63,10 +70,44 @@ def fsdp_problems(config: ResolvedConfig) -> list[ConfigProblem]:
         if style in REFUSED_STYLES:  # known names the runtime cannot honour: said before launch, not at prepare
             problems.append(ConfigProblem("parallelism_config.tp_plan", (
                 f"{pattern!r}: style {style!r} is refused: {REFUSED_STYLES[style]}")))
-    if fsdp.activation_checkpointing and fsdp.auto_wrap_policy == "NO_WRAP":
-        problems.append(ConfigProblem(f"{SECTION}.activation_checkpointing", (
-            "checkpoints each wrapped block, but auto_wrap_policy is NO_WRAP (no blocks); use TRANSFORMER_BASED_WRAP "
-            "or SIZE_BASED_WRAP")))
+    problems.extend(activation_problems(fsdp, config.section_of(TorchDynamoPlugin)))
+    return problems
+
+
+def activation_problems(fsdp: FullyShardedDataParallelPlugin, dynamo: TorchDynamoPlugin) -> list[ConfigProblem]:
+    """Activation checkpointing and offload: an option its policy does not read, a policy with nothing to act on,
+    and ``memory_budget`` without ``torch.compile`` (the only thing that reads it)."""
+    problems: list[ConfigProblem] = []
+    policy = fsdp.activation_checkpointing_policy or ("full" if fsdp.activation_checkpointing else None)
+    key = f"{SECTION}.activation_checkpointing_policy" if fsdp.activation_checkpointing_policy else \
+        f"{SECTION}.activation_checkpointing"
+    for option, owner in (("every_k", "every_k"), ("matmul_every_k", "selective"), ("memory_budget", "memory_budget")):
+        if getattr(fsdp, f"activation_checkpointing_{option}") is not None and policy != owner:
+            problems.append(ConfigProblem(f"{SECTION}.activation_checkpointing_{option}", (
+                f"is read by activation_checkpointing_policy {owner} only, but the policy is {policy or 'unset (off)'}; "
+                f"set activation_checkpointing_policy: {owner}, or remove it")))
+    if fsdp.activation_offload_every_k is not None and not fsdp.activation_offload:
+        problems.append(ConfigProblem(f"{SECTION}.activation_offload_every_k", (
+            "is read by activation_offload only, which is off; set activation_offload: true, or remove it")))
+    if policy in ("full", "every_k", "selective") and fsdp.auto_wrap_policy == "NO_WRAP":
+        problems.append(ConfigProblem(key, (
+            f"{policy} checkpoints wrapped blocks, but auto_wrap_policy is NO_WRAP (no blocks); use "
+            "TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP")))
+    if fsdp.activation_offload and fsdp.auto_wrap_policy == "NO_WRAP":
+        problems.append(ConfigProblem(f"{SECTION}.activation_offload", (
+            "offloads what wrapped blocks save, but auto_wrap_policy is NO_WRAP (no blocks); use "
+            "TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP")))
+    if policy == "memory_budget":
+        budget_key = f"{SECTION}.activation_checkpointing_memory_budget"
+        if fsdp.activation_checkpointing_memory_budget is None:
+            problems.append(ConfigProblem(budget_key, (
+                "is not set, but activation_checkpointing_policy is memory_budget; set it to the fraction in [0, 1] of "
+                "the activations to keep (0: recompute all, 1: keep all)")))
+        elif dynamo.backend == "no" or dynamo.disable:
+            problems.append(ConfigProblem(budget_key, (
+                "acts only through torch.compile's partitioner, and this run does not compile (dynamo_config.backend "
+                "is 'no'); set dynamo_config.backend (--dynamo_backend inductor), or choose activation_checkpointing_policy "
+                "full, every_k or selective, which work eagerly")))
     return problems
 
 
@@ -98,4 +139,4 @@ def _accelerator_available() -> bool:
     return torch.cuda.is_available()
 
 
-__all__ = ["fsdp_problems"]
+__all__ = ["activation_problems", "fsdp_problems"]

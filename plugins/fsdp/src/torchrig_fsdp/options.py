@@ -319,10 +319,10 @@ class FullyShardedDataParallelPlugin:
         aliases=_fsdp("activation_checkpointing_memory_budget"), validator=between(0.0, 1.0))
     activation_offload: bool = option(
         False, help="keep the tensors wrapped blocks save for backward in CPU memory (torch save_on_cpu, pinned on "
-                    "CUDA); blocks that are checkpointed are left out",
+                    "CUDA); a checkpointed block's: the inputs it keeps for the recomputation",
         aliases=_fsdp("activation_offload", "fsdp_activation_checkpointing_offload"))
     activation_offload_every_k: int | None = option(
-        None, help="activation_offload: offload every k-th of the blocks checkpointing leaves alone (default 1: all)",
+        None, help="activation_offload: offload the k-th, 2k-th, ... wrapped block (default 1: all)",
         aliases=_fsdp("activation_offload_every_k"), validator=at_least(1))
     cpu_ram_efficient_loading: bool = option(
         False, help="only rank 0 loads weights into CPU memory, the others start on the meta device and receive them "
