@@ -84,7 +84,8 @@ def test_a_refused_transformers_style_is_refused_before_launch_with_its_reason(t
     with pytest.raises(ConfigError) as excinfo:
         _resolve(_write(tmp_path, {**USER_PLAN, "model.layers.*.mlp": "ep_dispatch_experts"}))
     text = "\n".join(excinfo.value.problems)
-    assert "'model.layers.*.mlp': style 'ep_dispatch_experts' is refused: expert parallelism" in text
+    assert "'model.layers.*.mlp': style 'ep_dispatch_experts' is refused: an expert-parallel style" in text
+    assert "parallelism_config.ep_size" in text
 
 
 def test_a_strategy_declaring_no_styles_refuses_every_name(tmp_path):
