@@ -27,10 +27,10 @@ TIMEOUT = 120
 BLOCKS = 4
 
 
-def make_model(seed: int = 0) -> TinyLM:
+def make_model(seed: int = 0, blocks: int = BLOCKS) -> TinyLM:
     torch.manual_seed(seed)
     model = TinyLM()
-    model.blocks = torch.nn.ModuleList(LMBlock() for _ in range(BLOCKS))
+    model.blocks = torch.nn.ModuleList(LMBlock() for _ in range(blocks))
     return model
 
 
@@ -136,22 +136,48 @@ def test_offloaded_tensors_sit_in_pinned_cpu_memory_on_gpu():
     assert x.grad is not None and x.grad.is_cuda
 
 
-def test_memory_budget_sets_the_compile_partitioner_budget_and_refuses_eager():
-    import torch._functorch.config as functorch_config
+def compiled_saved_bytes(budget: float | None) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes the compiled forward saves for backward (the partitioner's choice), and the gradients. The
+    ``aot_eager_decomp_partition`` backend runs the min-cut partitioner inductor uses, without code generation."""
     from torchrig import Accelerator
     from torchrig.plugin import TorchDynamoPlugin
+
+    torch._dynamo.reset()
+    gc.collect()
+    config = {} if budget is None else {"activation_checkpointing_policy": "memory_budget",
+                                        "activation_checkpointing_memory_budget": budget}
+    accelerator = Accelerator(cpu=True, strategy="fsdp", fsdp_plugin=FullyShardedDataParallelPlugin(**config),
+                              dynamo_plugin=TorchDynamoPlugin(backend="aot_eager_decomp_partition"))
+    model = accelerator.prepare(make_model(blocks=1))  # one block: the compile is the cost
+    saved = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(*lm_batch())
+    loss.backward()
+    return saved[0], {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_memory_budget_makes_the_compiled_step_save_less_and_is_refused_without_compile():
+    import torch._functorch.config as functorch_config
+
     config = {"activation_checkpointing_policy": "memory_budget", "activation_checkpointing_memory_budget": 0.25}
     with pytest.raises(ConfigError, match="activation_checkpointing_memory_budget.*torch.compile.*dynamo_config"):
         prepared(**config)
     before = functorch_config.activation_memory_budget
     try:
-        gc.collect()
-        accelerator = Accelerator(cpu=True, strategy="fsdp", fsdp_plugin=FullyShardedDataParallelPlugin(**config),
-                                  dynamo_plugin=TorchDynamoPlugin(backend="aot_eager"))
-        accelerator.prepare(make_model())
-        assert functorch_config.activation_memory_budget == 0.25
+        kept, reference = compiled_saved_bytes(None)
+        recomputed, grads = compiled_saved_bytes(0.0)
+        assert functorch_config.activation_memory_budget == 0.0
     finally:
         functorch_config.activation_memory_budget = before
+        torch._dynamo.reset()
+    assert recomputed < 0.8 * kept, (recomputed, kept)
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad)
 
 
 def test_options_their_policy_does_not_read_and_every_k_beyond_the_blocks_are_refused():
