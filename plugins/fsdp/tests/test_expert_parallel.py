@@ -2,7 +2,7 @@
 
 A plain PyTorch MoE (:class:`torchrig.testing.models.MoeLM`, its own ``_ep_plan``) and a transformers
 Qwen3-MoE (its ``base_model_ep_plan``, load-balancing loss on) train two AdamW steps under ep 2 x dp_shard 2
-and ep 4 x dp_shard 4 and end where one process ends that trains on the same four per-rank batches (the loss
+and ep 4 x dp_shard 4 (the plain MoE also under HSDP: dp_replicate 2 x dp_shard 2, ep 2) and end where one process ends that trains on the same four per-rank batches (the loss
 their mean: the router's load-balancing loss is a per-batch quantity, as under any data parallelism) —
 losses, clipped gradient norms and updated parameters. The experts really are split: each rank holds
 ``1/ep`` of them, ``Shard(0)`` on the ``ep`` axis. Checkpoints: saved under ep 2, resumed by FSDP2 without
@@ -24,6 +24,7 @@ STEPS, PER_RANK, WORLD = 2, 2, 4
 EP2 = {"dp_shard_size": 4, "ep_size": 2}
 EP4 = {"dp_shard_size": 4, "ep_size": 4}
 NO_EP = {"dp_shard_size": 4}
+HSDP_EP2 = {"dp_replicate_size": 2, "dp_shard_size": 2, "ep_size": 2}
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -109,6 +110,7 @@ def _runs(ctx, root: str) -> dict:
             "plain_no_ep": _session("plain", NO_EP, train=False, load_from=a, save_to=b),
             "plain_ep4": _session("plain", EP4, train=True, load_from=b),
             "qwen_ep2": _session("qwen3_moe", EP2, train=True),
+            "plain_hsdp_ep2": _session("plain", HSDP_EP2, train=True),
         }
 
 
@@ -177,6 +179,9 @@ def test_moe_models_train_under_expert_parallel_like_one_process_and_resume_acro
     failures = _mismatches(first["plain_ep2"], plain[0], "plain MoE, ep 2 x dp_shard 2")
     failures += _mismatches(first["plain_ep4"], plain[1], "plain MoE, ep 4 (resumed)")
     failures += _mismatches(first["qwen_ep2"], qwen[0], "Qwen3-MoE, ep 2 x dp_shard 2")
+    # HSDP: the experts replicated over dp_replicate, Shard(0) over ep (all of dp_shard), efsdp of one rank
+    assert first["plain_hsdp_ep2"]["layout"] == {(("dp_replicate", "efsdp", "ep"), (2, 1, 2), "Shard(dim=0)")}
+    failures += _mismatches(first["plain_hsdp_ep2"], plain[0], "plain MoE, dp_replicate 2 x ep 2 (HSDP)")
     # ep 4 resumes plain_no_ep's checkpoint (plain_ep2's state saved again) and trains a second round
     for rank, result in enumerate(results):
         failures += _inexact(result["plain_no_ep"]["loaded"], first["plain_ep2"]["trained"],
