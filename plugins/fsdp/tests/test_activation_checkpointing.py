@@ -19,7 +19,7 @@ import torch
 from torchrig.plugin import ConfigError
 from torchrig.testing.contracts import rank_environment
 from torchrig.testing.memory import bytes_held_since, live_storages
-from torchrig.testing.models import SEQ, VOCAB, LMBlock, TinyLM
+from torchrig.testing.models import SEQ, TP_PLAN, VOCAB, LMBlock, PipeLM, TinyLM, lm_loss
 from torchrig_fsdp.explain import FSDPConfigError
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
@@ -43,9 +43,10 @@ def lm_batch(rank: int = 0, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
 class CallCounter:
     """Counts each block's MLP forward calls: a checkpointed block runs its forward again in backward."""
 
-    def __init__(self, model: TinyLM) -> None:
-        self.calls = [0] * len(model.blocks)
-        for index, block in enumerate(model.blocks):
+    def __init__(self, model: torch.nn.Module) -> None:
+        blocks = [module for module in model.modules() if isinstance(module, LMBlock)]
+        self.calls = [0] * len(blocks)
+        for index, block in enumerate(blocks):
             block.mlp.register_forward_pre_hook(self._hook(index))  # recompute stops early: before forward hooks
 
     def _hook(self, index: int):
@@ -259,5 +260,52 @@ def test_policy_and_offload_apply_under_fsdp2_on_two_ranks(gloo_pool):
         assert result["calls"] == [1, 2, 1, 2]
         # blocks 2 and 4 are checkpointed: the offload hooks see the one input each keeps; blocks 1 and 3 save all
         assert result["packed"][0] == result["packed"][2] > 1 and result["packed"][1] == result["packed"][3] == 1
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(result["grads"][name], p.grad, atol=1e-5, rtol=1e-4)
+
+
+def _composed(ctx, parallelism, fsdp_config):
+    """One step under ``parallelism_config`` (tensor parallel alone, or a 2-stage pipeline): each block's forward
+    calls on this rank and the full gradients of the parameters it holds."""
+    from torchrig import Accelerator, ParallelismConfig
+
+    pipelined = "pp_size" in parallelism
+    with rank_environment(ctx.rank, ctx.world_size):
+        gc.collect()
+        accelerator = Accelerator(cpu=True, strategy="fsdp", fsdp_plugin=FullyShardedDataParallelPlugin(**fsdp_config),
+                                  parallelism_config=ParallelismConfig(**parallelism))
+        torch.manual_seed(0)
+        model = PipeLM() if pipelined else make_model()
+        counter = CallCounter(model)
+        model = accelerator.prepare(model)
+        tokens, labels = lm_batch()
+        accelerator.backward(model(tokens, target=labels) if pipelined else model(tokens, labels))
+        grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                 for name, p in accelerator.unwrap_model(model).named_parameters() if p.grad is not None}
+        return {"calls": counter.calls, "grads": grads}
+
+
+def test_policies_apply_to_each_pipeline_stage_and_under_tensor_parallel_alone(gloo_pool):
+    piped = gloo_pool.run(_composed, {"pp_size": 2, "pp_split_points": ["layers.2"], "pp_loss_fn": lm_loss},
+                          {"activation_checkpointing_policy": "every_k"}, timeout=TIMEOUT)
+    # each stage counts its own blocks: its 2nd block is checkpointed and runs again in backward, its 1st does not
+    # (the schedule's calls: a shape probe, then one per micro-batch)
+    (first, second, *_), (*_, third, fourth) = piped[0]["calls"], piped[1]["calls"]
+    assert first == third and second > first and fourth > third, [r["calls"] for r in piped]
+    torch.manual_seed(0)
+    reference = PipeLM()
+    tokens, labels = lm_batch()
+    lm_loss(reference(tokens), labels).backward()
+    for result in piped:
+        assert result["grads"]
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, atol=1e-5, rtol=1e-4)
+    tensor_parallel = gloo_pool.run(_composed, {"tp_size": 2, "tp_plan": TP_PLAN},
+                                    {"activation_checkpointing_policy": "selective",
+                                     "activation_checkpointing_matmul_every_k": 2}, timeout=TIMEOUT)
+    reference = make_model()
+    reference(tokens, labels).backward()
+    for result in tensor_parallel:
+        assert result["calls"] == [2] * BLOCKS
         for name, p in reference.named_parameters():
             torch.testing.assert_close(result["grads"][name], p.grad, atol=1e-5, rtol=1e-4)
