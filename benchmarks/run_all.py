@@ -43,6 +43,8 @@ BENCHMARKS = [
     (("B13", "B14", "B15"), "bench_mesh.py", [], ["--trials", "1", "--copies", "1", "--rounds", "2", "--steps", "1"]),
     (("B16", "B17"), "bench_fp8.py", [], ["--quick"]),
     (("B19",), "bench_expert_parallel.py", [], ["--trials", "1", "--copies", "1", "--rounds", "2", "--steps", "1"]),
+    (("B19 SAC",), "bench_activation_checkpointing.py", [],
+     ["--repeats", "1", "--layers", "2", "--width", "64", "--seq", "32"]),
     (("B20", "B20 FSDP2×TP", "B20 GPU"), "bench_hf_llama.py", [], ["--smoke", "--trials", "1", "--rounds", "1"]),
 ]
 
