@@ -16,6 +16,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from torchrig.estimate.plan import PlanInputs, PlanTarget, plan_run, recorded_step
 from torchrig.testing import hf_models
 
+# plans at target scale on fake process groups (~20 s in all): the default run, not the fast tier
+pytestmark = pytest.mark.scale
+
 SEQ = 8
 HIDDEN = hf_models.config("llama").hidden_size
 
