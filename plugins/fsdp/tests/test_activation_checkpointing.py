@@ -137,16 +137,14 @@ def test_offloaded_tensors_sit_in_pinned_cpu_memory_on_gpu():
     assert x.grad is not None and x.grad.is_cuda
 
 
-def compiled_saved_bytes(budget: float | None) -> tuple[int, dict[str, torch.Tensor]]:
-    """Bytes the compiled forward saves for backward (the partitioner's choice), and the gradients. The
+def compiled_saved_bytes(**config) -> tuple[int, dict[str, torch.Tensor], torch.nn.Module]:
+    """Bytes the compiled forward saves for backward (the partitioner's choice), the gradients, the model. The
     ``aot_eager_decomp_partition`` backend runs the min-cut partitioner inductor uses, without code generation."""
     from torchrig import Accelerator
     from torchrig.plugin import TorchDynamoPlugin
 
     torch._dynamo.reset()
     gc.collect()
-    config = {} if budget is None else {"activation_checkpointing_policy": "memory_budget",
-                                        "activation_checkpointing_memory_budget": budget}
     accelerator = Accelerator(cpu=True, strategy="fsdp", fsdp_plugin=FullyShardedDataParallelPlugin(**config),
                               dynamo_plugin=TorchDynamoPlugin(backend="aot_eager_decomp_partition"))
     model = accelerator.prepare(make_model(blocks=1))  # one block: the compile is the cost
@@ -159,26 +157,35 @@ def compiled_saved_bytes(budget: float | None) -> tuple[int, dict[str, torch.Ten
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = model(*lm_batch())
     loss.backward()
-    return saved[0], {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return saved[0], {name: p.grad.detach().clone() for name, p in model.named_parameters()}, model
 
 
-def test_memory_budget_makes_the_compiled_step_save_less_and_is_refused_without_compile():
+def test_memory_budget_makes_the_compiled_step_save_less_is_refused_without_compile_and_policies_compile():
     import torch._functorch.config as functorch_config
 
     config = {"activation_checkpointing_policy": "memory_budget", "activation_checkpointing_memory_budget": 0.25}
     with pytest.raises(ConfigError, match="activation_checkpointing_memory_budget.*torch.compile.*dynamo_config"):
         prepared(**config)
+    from torchrig_fsdp.activation_checkpointing import offload_stats
+
     before = functorch_config.activation_memory_budget
     try:
-        kept, reference = compiled_saved_bytes(None)
-        recomputed, grads = compiled_saved_bytes(0.0)
+        kept, reference, _ = compiled_saved_bytes()
+        recomputed, budget_grads, _ = compiled_saved_bytes(**config | {"activation_checkpointing_memory_budget": 0.0})
         assert functorch_config.activation_memory_budget == 0.0
     finally:
         functorch_config.activation_memory_budget = before
+    try:  # the eager policies and offload compose with compile too
+        _, selective_grads, model = compiled_saved_bytes(activation_checkpointing_policy="selective",
+                                                         activation_offload=True)
+    finally:
         torch._dynamo.reset()
     assert recomputed < 0.8 * kept, (recomputed, kept)
+    # compiled, the checkpointed region saves what its policy keeps through autograd, so the hooks see all of it
+    assert offload_stats(model.blocks[0]).packed > 1
     for name, grad in reference.items():
-        torch.testing.assert_close(grads[name], grad)
+        torch.testing.assert_close(budget_grads[name], grad)
+        torch.testing.assert_close(selective_grads[name], grad)
 
 
 def test_options_their_policy_does_not_read_and_every_k_beyond_the_blocks_are_refused():
