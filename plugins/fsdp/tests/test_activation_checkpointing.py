@@ -199,6 +199,8 @@ def test_options_their_policy_does_not_read_and_every_k_beyond_the_blocks_are_re
         prepared(activation_checkpointing_policy="every_k", activation_checkpointing_every_k=5)
     with pytest.raises(ConfigError, match="activation_offload_every_k.*activation_offload: true"):
         prepared(activation_offload_every_k=2)
+    with pytest.raises(FSDPConfigError, match="has none: set transformer_layer_cls_to_wrap"):
+        prepared(activation_checkpointing=True, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=0)  # root only
     with pytest.raises(ConfigError, match="activation_checkpointing_policy.*NO_WRAP"):
         prepared(activation_checkpointing_policy="every_k", auto_wrap_policy="NO_WRAP")
 

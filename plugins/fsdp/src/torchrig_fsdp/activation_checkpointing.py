@@ -93,6 +93,11 @@ def apply(blocks: Sequence[torch.nn.Module], options: FullyShardedDataParallelPl
     cache, on the device), a block left alone's see everything it saves."""
     policy = resolved_policy(options)
     key = f"{SECTION}.activation_checkpointing_every_k"
+    if not blocks and (options.activation_offload or policy not in (None, "memory_budget")):
+        raise FSDPConfigError(
+            f"{SECTION}.activation_checkpointing_policy / activation_offload act on wrapped blocks, and this model (or "
+            "pipeline stage) has none: set transformer_layer_cls_to_wrap to the class of its repeated blocks (or "
+            "auto_wrap_policy SIZE_BASED_WRAP); under a pipeline, pp_split_points that give every stage a block")
     if policy == "memory_budget":
         set_memory_budget(options.activation_checkpointing_memory_budget, compiled=compiled)
     elif policy == "selective":
