@@ -107,10 +107,8 @@ def test_off_the_step_plan_is_not_wrapped():
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("on_spike", "rollback", "training_guard.on_spike (environment TORCHRIG_TRAINING_GUARD__ON_SPIKE): 'rollback' "
-                             "is not built yet"),
     ("on_nonfinite", "ignore", "training_guard.on_nonfinite (environment TORCHRIG_TRAINING_GUARD__ON_NONFINITE): "
-                               "expected 'skip' or 'stop'; got 'ignore'"),
+                               "expected 'skip', 'stop' or 'rollback'; got 'ignore'"),
     ("max_skips", "-1", "training_guard.max_skips (environment TORCHRIG_TRAINING_GUARD__MAX_SKIPS): must be at least 0"),
     ("spike_window", "1", "training_guard.spike_window (environment TORCHRIG_TRAINING_GUARD__SPIKE_WINDOW)"),
 ])

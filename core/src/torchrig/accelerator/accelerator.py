@@ -152,8 +152,12 @@ class Accelerator(StepCalls, CheckpointCalls, TrackingCalls, CollectiveCalls, Pr
         self._throughput = self._arm_throughput()
         guard_options = self._run.section(TrainingGuardConfig)
         #: The training guard (``training_guard`` config), None when off: then the plan is not wrapped.
-        self._training_guard = TrainingGuard(guard_options, device=self.device, log=self.log) \
-            if guard_options.enabled else None
+        self._training_guard = TrainingGuard(
+            guard_options, device=self.device, log=self.log, latest_checkpoint=self.latest_checkpoint,
+            dataloaders=self._dataloaders, active_dataloaders=self.gradient_state.active_dataloaders,
+        ) if guard_options.enabled else None
+        if self._training_guard is not None and self._training_guard.rolls_back:  # resume without skipped batches
+            self.register_load_state_pre_hook(self._training_guard.resume_without_skipped_batches)
         dynamo = self.config.section("dynamo_config")
         self._compile_check = CompileVerifier(on_done=self._rewrap_plan, check_after_steps=dynamo.check_after_steps,
                                               recompile_warn_threshold=dynamo.recompile_warn_threshold)

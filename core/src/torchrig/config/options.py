@@ -214,11 +214,8 @@ class PreemptionConfig(KwargsHandler):
 
 
 def _guard_action(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value == "rollback":
-        raise ValueError("'rollback' is not built yet (docs/resilience.md, \"Training guard\"); use 'skip' or "
-                         "'stop'", attribute)
-    if value not in ("skip", "stop"):
-        raise ValueError(f"expected 'skip' or 'stop'; got {value!r}", attribute)
+    if value not in ("skip", "stop", "rollback"):
+        raise ValueError(f"expected 'skip', 'stop' or 'rollback'; got {value!r}", attribute)
 
 
 @attrs.frozen(kw_only=True)
@@ -229,10 +226,11 @@ class TrainingGuardConfig(KwargsHandler):
     enabled: bool = option(False, help="check every optimizer step's loss and gradient norm (one small "
                            "all-reduce per optimizer step across every rank)")
     on_nonfinite: str = option("skip", help="a NaN/inf loss or gradient norm on any rank: 'skip' the optimizer "
-                               "step on every rank (gradients zeroed, scheduler not advanced) or 'stop'",
+                               "step on every rank (gradients zeroed, scheduler not advanced), 'stop', or "
+                               "'rollback': restart from the last checkpoint and skip the step's batches",
                                validator=_guard_action)
-    on_spike: str = option("skip", help="a loss above spike_threshold or spike_zscore: 'skip' or 'stop'",
-                           validator=_guard_action)
+    on_spike: str = option("skip", help="a loss above spike_threshold or spike_zscore: 'skip', 'stop' or "
+                           "'rollback'", validator=_guard_action)
     spike_zscore: float | None = option(None, help="a spike: the step's loss more than this many standard "
                                         "deviations above the mean of the last spike_window applied steps "
                                         "(None: no z-score check)")
@@ -242,6 +240,11 @@ class TrainingGuardConfig(KwargsHandler):
                                            "value (None: no absolute check)")
     max_skips: int = option(10, help="skipped steps allowed in the run; the next bad step stops it with an error "
                             "naming the step and its batches", validator=at_least(0))
+    max_rollbacks: int = option(3, help="rollbacks allowed for the checkpoints directory (counted in its skip "
+                                "ledger); the next bad step stops the run naming the step and its batches",
+                                validator=at_least(0))
+    rollback_exit_code: int = option(76, help="exit code of the ranks that stop for a rollback; torchrig launch "
+                                     "restarts them (not counted against --max_restarts)", validator=between(1, 255))
 
 
 @attrs.frozen(kw_only=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import itertools
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -121,6 +121,8 @@ class PreparedDataLoader:
         self._len_skip = 0
         #: The loader a skip_first_batches copy was made from: the copy's pass is that loader's next pass.
         self._origin: PreparedDataLoader | None = None
+        #: ``(epoch, batch)`` positions never handed out (:meth:`skip_batches`).
+        self._skipped_batches: frozenset[tuple[int, int]] = frozenset()
 
     # -- attributes ------------------------------------------------------------------------
 
@@ -257,6 +259,25 @@ class PreparedDataLoader:
         )
         self._pass = None
         self._len_skip = 0
+
+    def skip_batches(self, positions: Iterable[tuple[int, int]]) -> None:
+        """Never hand out the batches at these ``(epoch, batch number in the epoch)`` positions, on any
+        pass: the training guard's rollback replays the data stream without the batches of a bad step.
+        Every data-parallel rank skips its batch of that number, so the ranks stay in step; the
+        position moves past a skipped batch as if it had been handed out."""
+        self._skipped_batches = frozenset((int(epoch), int(batch)) for epoch, batch in positions)
+
+    @property
+    def resume_origin(self) -> PreparedDataLoader:
+        """The prepared loader this one stands for: itself, or the one a skip_first_batches copy was made from."""
+        return self._origin or self
+
+    def last_batch_position(self) -> tuple[int, int] | None:
+        """``(epoch, batch number in the epoch)`` of the batch handed out last, None before the first."""
+        p = self._pass
+        if p is None or not p.delivered:
+            return None
+        return p.epoch, p.position.batches - 1
 
     def _skipped(self, num_batches: int) -> PreparedDataLoader:
         """A copy whose next pass starts ``num_batches`` of this rank's batches into the epoch."""
@@ -410,7 +431,7 @@ class PreparedDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         if (self._kind != "iterable" and not self.dispatch_batches and self._placement() is None
-                and self.gradient_state.step_boundary is None):
+                and self.gradient_state.step_boundary is None and not self._skipped_batches):
             return self._fast_pass()
         return self._iterate()
 
@@ -443,6 +464,8 @@ class PreparedDataLoader:
                 if self.dispatch_batches
                 else self._source(p, (self._layout.rank,))
             )
+            if self._skipped_batches:
+                items = _without_positions(items, p.epoch, p.start.batches, self._skipped_batches)
             # Batches are placed as soon as they are read, so with non_blocking the copy of the
             # batch read ahead overlaps the step on the current one.
             device = self._placement()
@@ -476,6 +499,18 @@ class PreparedDataLoader:
 
 
 _batch_of = operator.itemgetter(0)
+
+
+def _without_positions(items: Iterator[tuple[Any, BatchMeta]], epoch: int, first: int,
+                       skipped: frozenset[tuple[int, int]]) -> Iterator[tuple[Any, BatchMeta]]:
+    """``items`` less the batches whose ``(epoch, first + round)`` is skipped; closes ``items`` when closed."""
+    try:
+        for item in items:
+            if (epoch, first + item[1].round) not in skipped:
+                yield item
+    finally:
+        if hasattr(items, "close"):
+            items.close()
 
 
 __all__ = ["PreparedDataLoader"]
