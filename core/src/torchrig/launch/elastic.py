@@ -28,6 +28,9 @@ across machines (one machine needs none: :class:`SingleNodeRendezvous`), and add
   point's first line, :mod:`torchrig.launch.held_signals`) is passed on as soon as they do. The
   ranks are started with SIGUSR1 blocked, so one that reaches a rank while its interpreter is
   still starting stays pending until the wrapper has installed its handler (then unblocks it).
+* **Rollbacks.** Ranks that stopped for the training guard's rollback (each records it in its
+  status file before any exits) are restarted from the last checkpoint on top of
+  ``--max_restarts``: the guard's ``max_rollbacks`` bounds them (:mod:`torchrig.resilience.training_guard`).
 * **Quiet.** Elastic's own log lines (``Sending process ... closing signal``) are hidden unless
   ``TORCHRIG_LOG_LEVEL`` is DEBUG or INFO; the summary says what happened.
 
@@ -164,11 +167,30 @@ class TorchrigAgent(LocalElasticAgent):
             attempt = self.observer.end(result.failures)
             if attempt and attempt["verdict"]["state"] == _status.PREEMPTED:
                 self._remaining_restarts = 0  # the job is being taken away: resuming is the scheduler's (or the user's) call
+            elif attempt and result.state is not WorkerState.SUCCEEDED and _rollback_of(attempt):
+                # The training guard's rollback: restart from the last checkpoint. Bounded by the guard's
+                # max_rollbacks (its ledger), so it is granted on top of --max_restarts, never taken from it.
+                worker_group.spec.max_restarts += 1
+                self._remaining_restarts += 1
+                print(f"torchrig launch: attempt {attempt['attempt']} rolled back: {_rollback_of(attempt)}; "
+                      "restarting from the last checkpoint (training_guard rollback: not counted against "
+                      "--max_restarts)", file=sys.stderr, flush=True)
             elif attempt and result.state is not WorkerState.SUCCEEDED and self._remaining_restarts > 0:
                 print(f"torchrig launch: attempt {attempt['attempt']} failed: {attempt['verdict']['headline']}; "
                       f"restarting ({worker_group.spec.max_restarts - self._remaining_restarts + 1} of "
                       f"{worker_group.spec.max_restarts})", file=sys.stderr, flush=True)
         return result
+
+
+def _rollback_of(attempt: Mapping[str, Any]) -> str | None:
+    """What the training guard's rollback recorded in a rank's status (the ranks record it before any
+    exits), or None when no rank of the attempt rolled back."""
+    rollback = next((rank["rollback"] for rank in attempt["ranks"] if rank.get("rollback")), None)
+    if rollback is None:
+        return None
+    batches = ", ".join(f"dataloader {b['dataloader']} epoch {b['epoch']} batch {b['batch']}"
+                        for b in rollback.get("batches", ()))
+    return f"bad step {rollback.get('step')} on {batches or 'no batch'}, back to {rollback.get('checkpoint')}"
 
 
 def _pass_on_held_signals(observer: Observer) -> None:

@@ -144,7 +144,7 @@ class Observer:
             "warnings": status.get("warnings") or [],
             "logs": self._logs(rank),
         }
-        for extra in ("trackers", "last_checkpoint", "preempted", "waiting"):  # run_status.record(...) in the rank
+        for extra in ("trackers", "last_checkpoint", "preempted", "waiting", "rollback"):  # run_status.record(...)
             if status.get(extra) is not None:
                 record[extra] = status[extra]
         if record["state"] == _status.RUNNING:  # the wrapper never wrote its end: killed, or no wrapper
