@@ -348,6 +348,9 @@ PARALLELISM_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 #: Axes borrowed from another axis's ranks, not a factor of the world size: ``ep`` splits ``dp_shard``
 #: (expert parallelism, as torchtitan); a strategy that builds it declares it in ``parallelism_axes`` too.
 BORROWED_AXES = {"ep": "dp_shard"}
+#: Data-parallel axes that may absorb an elastic world-size change (``parallelism_config.elastic_axis``):
+#: only they change the batches, not the model's split (tp, cp, pp, ep stay).
+ELASTIC_AXES = ("dp_shard", "dp_replicate")
 #: torchrig's own tensor-parallel style names (torch.distributed.tensor.parallel's classes), for a
 #: strategy that builds a tp axis to declare (``PluginManifest.tp_styles``, with any names it translates).
 #: Which names a ``tp_plan`` may use is the selected strategy's declaration, checked in
@@ -444,6 +447,11 @@ class ParallelismConfig:
                                    "2 x cp_size)")
     async_tp: bool = option(False, help="asynchronous tensor parallel: overlap tp communication with the matmuls "
                             "(torch's micro-pipeline TP; CUDA and torch.compile only)")
+    elastic_axis: str | None = option(
+        None, help="elastic world size (min_machines below num_machines): the data-parallel axis each rendezvous "
+        "round re-derives from its world size (world / the other axes' product), the others (tp, cp, pp, ep) kept: "
+        "dp_shard or dp_replicate; default: dp_replicate when its size is -1, else dp_shard (docs/resilience.md)",
+        choices=ELASTIC_AXES, normalize=_lower, flag="--elastic_axis")
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -459,6 +467,14 @@ class ParallelismConfig:
     def total_size(self) -> int:
         """Product of the sizes (Accelerate's name); -1 axes count as 1."""
         return math.prod(size for size in self.sizes.values() if size > 0)
+
+    def elastic_axis_for(self, core: CoreOptions) -> str | None:
+        """The axis each rendezvous round re-derives from its world size when ``core`` describes an
+        elastic world (``min_machines`` below ``num_machines``): ``elastic_axis``, by default
+        ``dp_replicate`` when its size is -1, else ``dp_shard``; None when the world is fixed."""
+        if core.min_machines is None or core.min_machines >= core.num_machines:
+            return None
+        return self.elastic_axis or ("dp_replicate" if self.dp_replicate_size == -1 else "dp_shard")
 
 
 @attrs.frozen(kw_only=True)
@@ -495,6 +511,7 @@ __all__ = [
     "PREEMPTION_SIGNALS",
     "PROFILER_ACTIVITIES",
     "BORROWED_AXES",
+    "ELASTIC_AXES",
     "AutocastKwargs",
     "CoreOptions",
     "DataLoaderConfiguration",

@@ -13,7 +13,12 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from torchrig.config.options import BORROWED_AXES, PARALLELISM_AXES, ParallelismConfig, TorchTensorParallelPlugin
+from torchrig.config.options import (
+    BORROWED_AXES,
+    PARALLELISM_AXES,
+    ParallelismConfig,
+    TorchTensorParallelPlugin,
+)
 from torchrig.config.schema import Problem
 
 SECTION = "parallelism_config"
@@ -23,9 +28,14 @@ def key_of(axis: str) -> str:
     return f"{SECTION}.{axis}_size"
 
 
-def infer_sizes(sizes: Mapping[str, int], world_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def infer_sizes(sizes: Mapping[str, int], world_size: int, *, elastic_axis: str | None = None,
+                ep_size: int = 1) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """``sizes`` with a ``-1`` axis replaced by what the world size leaves for it; the problems
-    found as ``(axis, message)`` (every one, not only the first)."""
+    found as ``(axis, message)`` (every one, not only the first). ``elastic_axis``: the world is
+    an elastic round's (:meth:`ParallelismConfig.elastic_axis_for`), that axis is re-derived from it
+    whatever its configured size (:func:`elastic_sizes`)."""
+    if elastic_axis is not None:
+        return elastic_sizes(sizes, world_size, elastic_axis, ep_size=ep_size)
     problems: list[tuple[str, str]] = []
     auto = [axis for axis, size in sizes.items() if size == -1]
     fixed = math.prod(size for size in sizes.values() if size > 0)
@@ -46,6 +56,59 @@ def infer_sizes(sizes: Mapping[str, int], world_size: int) -> tuple[dict[str, in
                                           f"{world_size}; their product must equal it (or set one axis, usually "
                                           "dp_shard_size, to -1)"))
     return resolved, problems
+
+
+def elastic_sizes(sizes: Mapping[str, int], world_size: int, axis: str, *,
+                  ep_size: int = 1) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The sizes of an elastic round of ``world_size`` ranks: ``axis`` (a data-parallel axis) is the
+    world size over the product of the others, which stay as configured. Refused (never a silently
+    different layout): a -1 on another axis, a world that is not a multiple of the fixed axes'
+    product (fewer ranks than it included), and an ``ep_size`` that does not divide the new
+    ``dp_shard`` (expert parallelism borrows its ranks from it)."""
+    problems: list[tuple[str, str]] = []
+    for other, size in sizes.items():
+        if other != axis and size == -1:
+            problems.append((other, f"-1 in an elastic run: {axis}_size absorbs each round's world size "
+                                    f"({SECTION}.elastic_axis) and the other axes stay fixed; give {other}_size a number"))
+    fixed_axes = {other: size for other, size in sizes.items() if other != axis and size > 1}
+    fixed = math.prod(fixed_axes.values())
+    shown = " x ".join(f"{key_of(other)}={size}" for other, size in fixed_axes.items()) or "none"
+    resolved = dict(sizes)
+    if problems:
+        return resolved, problems
+    if world_size < fixed or world_size % fixed:
+        problems.append((axis, (
+            f"an elastic round of {world_size} ranks cannot keep the fixed axes ({shown}, {fixed} ranks per "
+            f"{axis} index): {world_size} is not a multiple of {fixed}, so {key_of(axis)} cannot be re-derived; "
+            f"launch a number of machines x processes per machine that is a multiple of {fixed} "
+            "(--num_machines MIN:MAX, --num_processes)")))
+        return resolved, problems
+    resolved[axis] = world_size // fixed
+    lender = BORROWED_AXES["ep"]
+    if ep_size > 1 and resolved[lender] % ep_size:
+        problems.append(("ep", (
+            f"ep_size={ep_size} does not divide {key_of(lender)} {resolved[lender]}, re-derived for an elastic round "
+            f"of {world_size} ranks ({key_of(axis)} absorbs the world size; fixed: {shown}): expert parallelism "
+            f"borrows its ranks from {lender}; launch machine counts whose {lender} is a multiple of {ep_size}")))
+    return resolved, problems
+
+
+def elastic_round_problems(sizes: Mapping[str, int], axis: str, *, ep_size: int, min_machines: int,
+                           max_machines: int, processes_per_machine: int) -> list[tuple[str, str]]:
+    """Before launch: every round ``--num_machines MIN:MAX`` can form (MIN..MAX machines of
+    ``processes_per_machine`` ranks) must hold the fixed axes — one problem per axis naming the
+    machine counts that cannot (a round of them would be refused at start, after a restart)."""
+    bad: dict[str, list[int]] = {}
+    first: dict[str, str] = {}
+    for machines in range(min_machines, max_machines + 1):
+        _, found = elastic_sizes(sizes, machines * processes_per_machine, axis, ep_size=ep_size)
+        for culprit, message in found:
+            bad.setdefault(culprit, []).append(machines)
+            first.setdefault(culprit, message)
+    return [(culprit, (
+        f"an elastic world of min_machines {min_machines} to num_machines {max_machines}, {processes_per_machine} "
+        f"process(es) per machine, would refuse a round of {' or '.join(map(str, counts))} machine(s) at start: "
+        f"{first[culprit]}")) for culprit, counts in bad.items()]
 
 
 def _culprit(sizes: Mapping[str, int]) -> str:
@@ -78,6 +141,7 @@ def parallelism_problems(
                 problems.append(Problem(f"{SECTION}.{key}", "has no effect with tp_size 1; set "
                                         f"{SECTION}.tp_size (or remove {key})", where(f"{SECTION}.{key}")))
     problems += _pipeline_problems(values, checked["pp"], where)
+    problems += _elastic_problems(values, checked, where)
     if strategy is not None and declared_tp_styles is not None:
         problems += _tp_plan_problems(values.get(f"{SECTION}.tp_plan"), strategy, declared_tp_styles.get(strategy, ()),
                                       where)
@@ -104,6 +168,34 @@ def parallelism_problems(
                 f"{axis}_size={size} but the strategy {strategy!r} does not build a {axis} axis (it declares "
                 f"{', '.join(supported) or 'none'}); {instead}"), where(key_of(axis))))
     return problems
+
+
+def _elastic_problems(values: Mapping[str, object], sizes: Mapping[str, int],
+                      where: Callable[[str], str | None]) -> list[Problem]:
+    """``elastic_axis`` without an elastic world (it would have no effect); in an elastic world
+    (``min_machines`` below ``num_machines``) with a mesh, a -1 off the elastic axis and every round
+    size MIN..MAX that cannot hold the fixed axes (when ``num_processes`` says how many per machine)."""
+    chosen, low, high = values.get(f"{SECTION}.elastic_axis"), values.get("min_machines"), values.get("num_machines")
+    elastic = isinstance(low, int) and isinstance(high, int) and low < high
+    if not elastic:
+        if chosen is None:
+            return []
+        key = f"{SECTION}.elastic_axis"
+        return [Problem(key, f"{chosen!r} has no effect: the world size is fixed (min_machines unset or equal to "
+                             "num_machines); give --num_machines MIN:MAX for an elastic world, or remove elastic_axis",
+                        where(key))]
+    if all(size == 1 for size in sizes.values()):
+        return []  # no mesh: the strategy's own layout spans the whole world, whatever its size
+    axis = chosen if isinstance(chosen, str) else ("dp_replicate" if sizes["dp_replicate"] == -1 else "dp_shard")
+    ep = values.get(key_of("ep"))
+    ep_size = ep if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1 else 1
+    total = values.get("num_processes")
+    if isinstance(total, int) and total % high == 0:
+        found = elastic_round_problems(sizes, axis, ep_size=ep_size, min_machines=low, max_machines=high,
+                                       processes_per_machine=total // high)
+    else:  # processes per machine unknown yet: the -1 rule alone (the launcher checks the rounds once it knows)
+        found = [(other, message) for other, message in elastic_sizes(sizes, 0, axis)[1] if other != axis]
+    return [Problem(key_of(culprit), message, where(key_of(culprit))) for culprit, message in found]
 
 
 #: Axes expert parallelism does not compose with yet (refused by name rather than run untested).
@@ -201,4 +293,5 @@ def parallelism_argument(parallelism: object, tp_plugin: object) -> tuple[object
     return {**(parallelism or {}), "tp_size": tp_plugin.tp_size}, problems
 
 
-__all__ = ["SECTION", "infer_sizes", "key_of", "parallelism_argument", "parallelism_problems"]
+__all__ = ["SECTION", "elastic_round_problems", "elastic_sizes", "infer_sizes", "key_of", "parallelism_argument",
+           "parallelism_problems"]

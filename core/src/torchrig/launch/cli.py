@@ -34,6 +34,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn, TextIO
 
 from torchrig.config.flags import FlagSpec, add_config_flags, collect_flags, flag_values
+from torchrig.config.options import PARALLELISM_AXES, CoreOptions, ParallelismConfig
+from torchrig.config.parallelism import elastic_round_problems
+from torchrig.config.parallelism import key_of as parallelism_key
 from torchrig.config.readers import CONFIG_FILE_ENV, LAUNCH_OVERRIDES_ENV, encode_launch_overrides
 from torchrig.config.resolve import (
     Layer,
@@ -516,8 +519,11 @@ def work_out_layout(config: ResolvedConfig) -> Layout:
         raise ConfigError(f"rdzv_endpoint {endpoint!r} must be HOST:PORT")
     if machines > 1 and int(port_part) == 0:
         raise ConfigError("main_process_port must be a fixed port when num_machines > 1 (every machine must know it)")
+    min_machines = _elastic_minimum(config, machines, backend)
+    if min_machines is not None and config.get("num_processes") is None:  # given: resolve_config checked the rounds
+        _check_elastic_rounds(config, min_machines, machines, total // machines)
     return Layout(
-        num_machines=machines, machine_rank=machine_rank, min_machines=_elastic_minimum(config, machines, backend), nproc_per_node=total // machines, rdzv_backend=backend,
+        num_machines=machines, machine_rank=machine_rank, min_machines=min_machines, nproc_per_node=total // machines, rdzv_backend=backend,
         rdzv_endpoint=endpoint, master_addr=master_addr, explicit_port=int(port_part), processes_source=source,
         strategy_world=config.source("strategy").layer is Layer.DEFAULT, gpu_ids=config.get("gpu_ids"),
     )
@@ -536,6 +542,22 @@ def _elastic_minimum(config: ResolvedConfig, machines: int, backend: str) -> int
         raise ConfigError(f"min_machines {low} (an elastic world of {low}..{machines} machines) needs the c10d "
                           f"rendezvous, not rdzv_backend {backend!r}: drop rdzv_backend or set it to c10d")
     return int(low)
+
+
+def _check_elastic_rounds(config: ResolvedConfig, low: int, high: int, per_machine: int) -> None:
+    """Every round of ``low``..``high`` machines must hold ``parallelism_config``'s fixed axes
+    (:func:`torchrig.config.parallelism.elastic_round_problems`), checked here when the processes
+    per machine were defaulted (the configuration alone did not know them)."""
+    sizes = {axis: config.get(parallelism_key(axis)) for axis in PARALLELISM_AXES}
+    if all(size == 1 for size in sizes.values()):
+        return
+    axis = ParallelismConfig(**{f"{a}_size": s for a, s in sizes.items()},
+                             elastic_axis=config.get("parallelism_config.elastic_axis")).elastic_axis_for(
+        CoreOptions(min_machines=low, num_machines=high))
+    found = elastic_round_problems(sizes, axis or "dp_shard", ep_size=config.get(parallelism_key("ep")) or 1,
+                                   min_machines=low, max_machines=high, processes_per_machine=per_machine)
+    if found:
+        raise ConfigError([f"{parallelism_key(culprit)}: {message}" for culprit, message in found])
 
 
 def _free_port() -> int:

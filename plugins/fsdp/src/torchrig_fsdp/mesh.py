@@ -13,6 +13,7 @@ import fnmatch
 import functools
 from typing import Any
 
+import attrs
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -24,7 +25,14 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from torchrig.plugin import ConfigError, ParallelismConfig, RunContext, infer_parallelism_sizes, parallelism_key
+from torchrig.plugin import (
+    ConfigError,
+    CoreOptions,
+    ParallelismConfig,
+    RunContext,
+    infer_parallelism_sizes,
+    parallelism_key,
+)
 
 from torchrig_fsdp import hf_styles, submeshes, tp_styles
 
@@ -34,14 +42,19 @@ DATA_AXES = ("dp_replicate", "dp_shard")
 
 
 def parallelism(run: RunContext) -> ParallelismConfig:
-    return run.section(ParallelismConfig)
+    """The run's ``parallelism_config``, its ``elastic_axis`` set to the axis this round re-derives
+    from its world size (None when the world is fixed): :meth:`ParallelismConfig.elastic_axis_for`."""
+    config = run.section(ParallelismConfig)
+    axis = config.elastic_axis_for(run.section(CoreOptions))
+    return config if axis == config.elastic_axis else attrs.evolve(config, elastic_axis=axis)
 
 
 def mesh_layout(config: ParallelismConfig, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Shape and names of the mesh for ``config`` at ``world_size``: ``dp_shard`` always (the axis
     FSDP2 shards over, size 1 when unused), ``pp``, ``dp_replicate``, ``cp`` and ``tp`` when larger than 1.
     Raises :class:`ConfigError` naming the keys when the sizes do not fit the world."""
-    sizes, problems = infer_parallelism_sizes(config.sizes, world_size)
+    sizes, problems = infer_parallelism_sizes(config.sizes, world_size, elastic_axis=config.elastic_axis,
+                                              ep_size=config.ep_size)
     if problems:
         raise ConfigError([f"{parallelism_key(axis)}: {message}" for axis, message in problems])
     names = tuple(axis for axis in AXES if axis == "dp_shard" or sizes[axis] > 1)
