@@ -34,10 +34,11 @@ def _data(poisoned=()) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def _train(project, data, guard: TrainingGuardConfig | None, *, resume=False, save_every=3):
+def _train(project, data, guard: TrainingGuardConfig | None, *, resume=False, save_every=3, accumulation=1):
     """Momentum SGD on a tiny MLP; a checkpoint after every ``save_every``-th batch of the epoch."""
     project_config = ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True, total_limit=2)
     accelerator = Accelerator(cpu=True, log_with="jsonl", project_config=project_config,
+                              gradient_accumulation_steps=accumulation,
                               kwargs_handlers=[guard] if guard is not None else [])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
@@ -47,9 +48,10 @@ def _train(project, data, guard: TrainingGuardConfig | None, *, resume=False, sa
     if resume:
         accelerator.load_state()
     for x, y in loader:
-        accelerator.backward(F.mse_loss(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(model):
+            accelerator.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
         if loader.state_dict()["batches_yielded"] % save_every == 0:
             accelerator.save_state()
     accelerator.end_training()
@@ -80,6 +82,18 @@ def test_a_rollback_resumes_without_the_bad_batch_and_ends_with_the_weights_of_a
     for (name, param), expected in zip(resumed.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(param, expected), name
     assert read_ledger(project / "checkpoints").rollbacks == 1
+
+
+def test_with_accumulation_every_micro_batch_of_the_bad_step_is_skipped(tmp_path):
+    guard = TrainingGuardConfig(enabled=True, on_nonfinite="rollback")
+    project = tmp_path / "guarded"
+    with pytest.raises(TrainingGuardRollback, match=r"optimizer step 2 .*batch 4, dataloader 0 epoch 0 batch 5;"):
+        _train(project, _data(poisoned={5}), guard, accumulation=2, save_every=4)
+    resumed = _train(project, _data(poisoned={5}), guard, accumulation=2, save_every=4, resume=True)
+    kept = [i for i in range(BATCHES * BATCH) if i // BATCH not in (4, 5)]
+    reference = _train(tmp_path / "reference", Subset(_data(), kept), None, accumulation=2, save_every=4)
+    for (name, param), expected in zip(resumed.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(param, expected), name
 
 
 def test_past_max_rollbacks_the_run_stops_naming_the_step_and_its_batch(tmp_path):
