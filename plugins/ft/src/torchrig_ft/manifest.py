@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from torchrig.plugin import HOOK_API_VERSION, CliFlag, ConfigProblem, ConfigSection, PluginManifest, hookimpl
 
-from torchrig_ft.constants import LIGHTHOUSE_ENV, SECTION
+from torchrig_ft.constants import SECTION
 
 if TYPE_CHECKING:
     from torchrig.plugin import ResolvedConfig
@@ -35,15 +35,11 @@ class FTManifest(PluginManifest):
 
     @hookimpl
     def torchrig_validate_config(self, config: ResolvedConfig) -> list[ConfigProblem]:
-        """A replica group cannot find its peers without the lighthouse: refused before any process starts."""
-        from torchrig_ft.options import FTKwargs
+        """See :mod:`torchrig_ft.config_checks` (imported here: it reads the typed section, so it imports
+        the options class, which a run that does not select ft never loads — benchmark B12)."""
+        from torchrig_ft.config_checks import ft_problems
 
-        if config.section_of(FTKwargs).lighthouse.strip():
-            return []
-        return [ConfigProblem(f"{SECTION}.lighthouse", (
-            "strategy 'ft' needs the address of a torchft lighthouse (e.g. http://host:29510); set it in the "
-            f"config file's {SECTION}: section, with --ft_lighthouse, or {LIGHTHOUSE_ENV}, after starting one "
-            "with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`"))]
+        return ft_problems(config)
 
 
 __all__ = ["FTManifest"]
