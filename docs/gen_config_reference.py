@@ -56,7 +56,7 @@ def accelerate_rows() -> list[str]:
 #: The reference documents torchrig's own distributions; other installed plugins (the example
 #: plugin in examples/localsgd, a user's) document their sections themselves.
 FIRST_PARTY = ("torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers",
-               "torchrig-ray", "torchrig-fp8")
+               "torchrig-ray", "torchrig-fp8", "torchrig-ft")
 
 
 def first_party_host() -> PluginHost:

@@ -12,7 +12,7 @@ from torchrig.testing import make_host
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 #: The configuration reference covers torchrig's own distributions (not examples/localsgd's plugin).
 FIRST_PARTY = ("torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers",
-               "torchrig-ray", "torchrig-fp8")
+               "torchrig-ray", "torchrig-fp8", "torchrig-ft")
 
 
 def first_party_host():

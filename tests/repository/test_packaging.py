@@ -13,7 +13,7 @@ import torchrig
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PLUGINS = {"ddp": "torchrig-ddp", "fsdp": "torchrig-fsdp", "deepspeed": "torchrig-deepspeed", "trackers": "torchrig-trackers",
-           "ray": "torchrig-ray", "fp8": "torchrig-fp8"}
+           "ray": "torchrig-ray", "fp8": "torchrig-fp8", "ft": "torchrig-ft"}
 
 
 def load(path: pathlib.Path) -> dict:
@@ -72,7 +72,7 @@ def test_core_source_never_names_a_plugin_package():
     offenders = []
     for path in (REPO / "core/src/torchrig").rglob("*.py"):
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if re.match(r"\s*(from|import)\s+torchrig_(ddp|fsdp|deepspeed|trackers|ray|fp8)\b", line):
+            if re.match(r"\s*(from|import)\s+torchrig_(ddp|fsdp|deepspeed|trackers|ray|fp8|ft)\b", line):
                 offenders.append(f"{path.relative_to(REPO)}:{number}")
     assert not offenders, offenders
 
