@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 import torch
 from torchft.coordination import LighthouseServer
-from torchrig.plugin import ConfigError
+from torchrig.plugin import ClusterInfo, ConfigError, RunContext, TorchrigError
 from torchrig.testing import resolved_config
+from torchrig_ft.strategy import FTStrategy
 
 pytestmark = pytest.mark.multiprocess
 
@@ -127,3 +128,12 @@ def test_the_launcher_refuses_ft_without_a_lighthouse_before_starting_anything(t
     assert result.returncode == 2, result.stderr
     assert "ft_config.lighthouse" in result.stderr and "Traceback" not in result.stderr
     assert not list(tmp_path.glob("params-*.pt"))
+
+
+def test_a_replica_group_of_several_processes_is_refused_naming_the_strategy() -> None:
+    """torchft's DistributedDataParallel reduces across groups only: a group of two would train two
+    unsynchronised halves, so the run is refused when it is configured, before any model exists."""
+    run = RunContext(config=resolved_config({"strategy": "ft", "ft_config.lighthouse": "http://127.0.0.1:1"}),
+                     cluster=ClusterInfo(rank=0, world_size=2))
+    with pytest.raises(TorchrigError, match=r"strategy 'ft' runs one process per replica group.*--num_processes 1"):
+        FTStrategy().torchrig_configure(run=run)
