@@ -19,7 +19,7 @@ import torchrig
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DISTRIBUTIONS = ["core", "plugins/ddp", "plugins/fsdp", "plugins/deepspeed", "plugins/trackers", "plugins/ray",
-                 "plugins/fp8"]
+                 "plugins/fp8", "plugins/ft"]
 
 
 def sh(*command: str | os.PathLike, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
@@ -44,7 +44,7 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
     wheels = sorted(p.name for p in dist.glob("*.whl"))
     version = torchrig.__version__
     for name in ["torchrig", "torchrig_ddp", "torchrig_fsdp", "torchrig_deepspeed", "torchrig_trackers", "torchrig_ray",
-                 "torchrig_fp8"]:
+                 "torchrig_fp8", "torchrig_ft"]:
         assert f"{name}-{version}-py3-none-any.whl" in wheels, wheels
 
     # Third-party dependencies come from a local wheelhouse (torch from the machine's local CPU
@@ -61,8 +61,8 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
     sh(*pip, "install", *flags, "torchrig", "torchrig[fsdp,trackers]", env=env)
     # DeepSpeed itself ships only as an sdist, and Ray is hundreds of megabytes: the plugins' own
     # packaging is what is under test, so they come without their libraries (and say how to get them);
-    # so does the fp8 plugin (torchao is a separate download).
-    sh(*pip, "install", *flags, "--no-deps", "torchrig-deepspeed", "torchrig-ray", "torchrig-fp8", env=env)
+    # so does the fp8 plugin (torchao is a separate download) and the ft plugin (torchft is too).
+    sh(*pip, "install", *flags, "--no-deps", "torchrig-deepspeed", "torchrig-ray", "torchrig-fp8", "torchrig-ft", env=env)
 
     no_site = sh(python, "-c", "import sys; print(sys.flags.no_site, any('site-packages' in p and 'venv' not in p for p in sys.path))", env=env)
     assert no_site.stdout.split()[1] == "False", "the venv must not see system site-packages"
@@ -75,6 +75,9 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
         if row["status"] == "unavailable" and (row["kind"] == "tracker" or row["name"] in ("deepspeed", "ray", "fp8")):
             # its library is not in this venv (DeepSpeed and Ray's plugin are installed without their dependencies)
             assert f"pip install 'torchrig[{row['name']}]'" in row["reason"], row
+            continue
+        if row["status"] == "unavailable" and row["name"] == "ft":  # torchft is not in this venv
+            assert "pip install 'torchrig-ft'" in row["reason"], row
             continue
         if row["status"] == "unavailable" and row["kind"] == "device":
             # installed, but its hardware is absent here (the plugin says why: no CUDA build/device, not macOS)
@@ -94,7 +97,7 @@ def test_wheels_install_into_a_clean_venv_and_list_the_first_party_plugins(tmp_p
 
     installed = json.loads(sh(venv / "bin" / "torchrig", "env", "--json", env=env).stdout)["plugin_distributions"]
     for name in ["torchrig", "torchrig-ddp", "torchrig-fsdp", "torchrig-deepspeed", "torchrig-trackers", "torchrig-ray",
-                 "torchrig-fp8"]:
+                 "torchrig-fp8", "torchrig-ft"]:
         assert installed.get(name) == version, installed
-    imports = "import torchrig_ddp, torchrig_fsdp, torchrig_deepspeed, torchrig_trackers, torchrig_ray, torchrig_fp8, torchrig.testing.fakes, torchrig.testing.recorder"
+    imports = "import torchrig_ddp, torchrig_fsdp, torchrig_deepspeed, torchrig_trackers, torchrig_ray, torchrig_fp8, torchrig_ft, torchrig.testing.fakes, torchrig.testing.recorder"
     sh(python, "-c", imports, env=env)
