@@ -2,7 +2,7 @@
 checkpoints and ends the ranks; the run resumed with load_state() never sees those batches and ends
 with the weights of a run on the data without them; past max_rollbacks, with no checkpoint yet, or
 without a project directory, it stops naming the step, the batch and why. One rank in this process
-here; tests/resilience/test_training_guard_rollback_launch.py runs it under ``torchrig launch``."""
+here; tests/resilience/test_rollback_launch.py runs it under ``torchrig launch``."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
 from torchrig import Accelerator
 from torchrig.config.options import TrainingGuardConfig
+from torchrig.data.loader import PreparedDataLoader
 from torchrig.errors import ConfigError
 from torchrig.resilience.rollback_ledger import LEDGER_FILE, read_ledger
 from torchrig.resilience.training_guard import ROLLBACKS_METRIC, TrainingGuardRollback, TrainingGuardStop
@@ -144,3 +145,17 @@ def test_a_damaged_ledger_is_an_error_naming_the_file(tmp_path):
     (tmp_path / LEDGER_FILE).write_text("{not json")
     with pytest.raises(ValueError, match=re.escape(f"the skip ledger {tmp_path / LEDGER_FILE} cannot be read")):
         read_ledger(tmp_path)
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(torch.arange(12.0))
+
+
+@pytest.mark.parametrize("dataset", [TensorDataset(torch.arange(12.0)), _Stream()], ids=["map", "iterable"])
+def test_a_prepared_loader_never_hands_out_a_skipped_position_the_last_of_an_epoch_included(dataset):
+    loader = PreparedDataLoader(DataLoader(dataset, batch_size=3))
+    loader.skip_batches([(0, 1), (1, 3)])
+    epochs = [[(batch[0] if isinstance(batch, list) else batch).tolist() for batch in loader] for _ in range(2)]
+    assert epochs == [[[0, 1, 2], [6, 7, 8], [9, 10, 11]], [[0, 1, 2], [3, 4, 5], [6, 7, 8]]]
+    assert loader.state_dict()["epoch"] == 2 and loader.state_dict()["batches_yielded"] == 0
