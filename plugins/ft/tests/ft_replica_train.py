@@ -50,7 +50,7 @@ def main() -> None:
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        print(json.dumps({"pid": os.getpid(), "iteration": iteration, "step": manager.current_step(),
+        print(json.dumps({"time": time.time(), "pid": os.getpid(), "iteration": iteration, "step": manager.current_step(),
                           "participants": manager.num_participants(),
                           "skipped": accelerator.optimizer_step_was_skipped, "digest": digest(model)}), flush=True)
         time.sleep(0.05)
