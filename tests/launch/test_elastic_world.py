@@ -141,11 +141,11 @@ def test_elastic_rendezvous_goes_on_with_the_minimum():
     assert info.bootstrap_store_info.master_addr == "127.0.0.1"
 
 
-def _launch(tmp_path: Path, guard, *args: str) -> subprocess.Popen:
+def _launch(tmp_path: Path, guard, *args: str, stderr=subprocess.PIPE) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
     env.update(TORCHRIG_CONFIG_HOME=str(tmp_path / "config-home"), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "torchrig", "launch", "--cpu", *args], start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     guard.track(proc)
     return proc
 
@@ -243,3 +243,47 @@ def test_killing_one_machine_of_a_tp_mesh_shrinks_dp_shard_and_keeps_tp(tmp_path
     reference = json.loads((reference_out / "run.json").read_text())
     assert reference == run, (reference, run)
     assert _bit_equal(torch.load(out / "final.pt"), torch.load(reference_out / "final.pt"))
+
+
+GROW_STEPS = 400  # the first round (0.1 s a step) must still run when the second machine joins
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_joining_machine_is_taken_in_at_the_next_checkpoint_commit(tmp_path, process_guard):
+    """One machine trains alone (``--num_machines 1:2``); a second one starts and waits to join. The
+    first keeps training until its ranks commit the next checkpoint (torch elastic would restart them
+    at once), then both resume from that commit in a world of 2 — a grown round, not a failure."""
+    out, project = tmp_path / "out", tmp_path / "project"
+    out.mkdir()
+    common = ["--num_machines", "1:2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+              "--main_process_port", str(free_port()), "--max_restarts", "1", "--monitor_interval", "0.2",
+              "--rdzv_conf", "last_call_timeout=1"]
+    arguments = [str(SCRIPTS / "elastic_grow_train.py"), str(out), str(project), str(GROW_STEPS)]
+    first_err = tmp_path / "machine0.err"
+    with first_err.open("w") as err_file:
+        first = _launch(tmp_path, process_guard, *common, "--machine_rank", "0", "--log_dir", str(tmp_path / "logs0"),
+                        *arguments, stderr=err_file)
+    deadline = time.monotonic() + 60
+    while _committed(project) != ["checkpoint_0"]:
+        assert first.poll() is None, first_err.read_text()
+        assert time.monotonic() < deadline, "machine 0 never committed its first checkpoint alone"
+        time.sleep(0.05)
+    second = _launch(tmp_path, process_guard, *common, "--machine_rank", "1", "--log_dir", str(tmp_path / "logs1"),
+                     *arguments)
+    while "waiting to join" not in first_err.read_text():
+        assert first.poll() is None and second.poll() is None, (first_err.read_text(), second.communicate())
+        assert time.monotonic() < deadline + 30, "machine 0 never saw machine 1 waiting"
+        time.sleep(0.05)
+    assert _committed(project) == ["checkpoint_0"]  # still the first round: it was not restarted at the join
+    (out / "commit").touch()
+    _, second_err = second.communicate(timeout=90)
+    first.communicate(timeout=30)
+    for ready in out.glob("ready-*"):
+        process_guard.track(int(ready.read_text()))
+    err = first_err.read_text()
+    assert first.returncode == 0 and second.returncode == 0, (err, second_err)
+    assert "checkpoint" in err and "committed; restarting the workers into a round with the 1 waiting" in err, err
+    assert "restarting (" not in err  # growing used none of --max_restarts
+    run = json.loads((out / "run.json").read_text())
+    assert run == {"world": 2, "resumed": "checkpoint_1", "step": GROW_STEPS}, run

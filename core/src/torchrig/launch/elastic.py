@@ -62,7 +62,7 @@ from torchrig.launch import held_signals
 from torchrig.launch import status as _status
 from torchrig.launch import summary as _summary
 from torchrig.launch.observer import Observer
-from torchrig.launch.rendezvous import rendezvous_handler
+from torchrig.launch.rendezvous import MachineRankRendezvous, rendezvous_handler
 from torchrig.launch.tail import LogRelay
 from torchrig.plugin.types import LaunchPlan
 
@@ -239,6 +239,8 @@ def launch_with_elastic(plan: LaunchPlan) -> int:
     try:
         _pass_on_held_signals(observer)  # arrived while the launcher was starting
         handler, spec_addr, spec_port = rendezvous_handler(plan)
+        if isinstance(handler, MachineRankRendezvous) and handler.elastic:
+            handler.grow_at_commit(observer.last_commit)  # a joining machine waits for the next checkpoint
         entrypoint, *args = plan.command
         spec = WorkerSpec(
             role="worker", local_world_size=plan.nproc_per_node, entrypoint=entrypoint, args=tuple(args),

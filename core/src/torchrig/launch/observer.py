@@ -96,6 +96,23 @@ class Observer:
             except OSError:
                 pass
 
+    def last_commit(self) -> str | None:
+        """The checkpoint this node's ranks of the current attempt last committed, as
+        ``path@inode.mtime`` (a checkpoint saved again under the same name is another commit), or
+        None: read from their status files (``last_checkpoint``)."""
+        with self.lock:
+            ranks = list(self.ranks.values())
+        newest: tuple[int, str] | None = None
+        for rank in ranks:
+            path = (_status.read_json(_status.rank_status_path(self.log_dir, rank)) or {}).get("last_checkpoint")
+            try:
+                stat = os.stat(path) if path else None
+            except OSError:
+                continue  # rotated away since: a newer one was committed
+            if stat is not None and (newest is None or stat.st_mtime_ns > newest[0]):
+                newest = (stat.st_mtime_ns, f"{path}@{stat.st_ino}.{stat.st_mtime_ns}")
+        return newest[1] if newest else None
+
     def teardown(self, death_sig: Any) -> None:
         with self.lock:
             if self.teardown_at is None and not self.ended:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import datetime
 import socket
+import sys
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -26,6 +28,9 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from torchrig.plugin.types import LaunchPlan
+
+#: No machine is waiting to join (:meth:`MachineRankRendezvous.num_nodes_waiting`).
+_NOT_WAITING = object()
 
 
 def free_port(host: str = "") -> int:
@@ -101,8 +106,20 @@ class MachineRankRendezvous(RendezvousHandler):
         self.machine_rank = machine_rank
         self.master_addr = master_addr
         self.elastic = elastic
+        #: What the workers last committed (:meth:`grow_at_commit`); None: grow at once, as torch elastic does.
+        self._last_commit: Callable[[], str | None] | None = None
+        self._commit_when_seen: object = _NOT_WAITING
+
+    def grow_at_commit(self, last_commit: Callable[[], str | None]) -> None:
+        """Defer growing to the next checkpoint boundary: a machine waiting to join is reported to
+        the agent (which then restarts the workers into a bigger round) only once ``last_commit()``
+        — what this node's ranks last committed — differs from what it was when the machine was
+        first seen waiting. The workers resume from that commit, so no step is trained twice by
+        more than the agent's monitor interval; a run that never commits again never grows."""
+        self._last_commit = last_commit
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._commit_when_seen = _NOT_WAITING
         info = self.inner.next_rendezvous()
         store, size = info.store, info.world_size
         node_rank = info.rank if self.elastic else self.machine_rank
@@ -133,13 +150,31 @@ class MachineRankRendezvous(RendezvousHandler):
         self.inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return self.inner.num_nodes_waiting()
+        """The machines waiting to join; with :meth:`grow_at_commit`, 0 until the ranks commit a
+        checkpoint after the first of them was seen (the agent restarts the workers on > 0)."""
+        waiting = self.inner.num_nodes_waiting()
+        if self._last_commit is None:
+            return waiting
+        if waiting <= 0:
+            self._commit_when_seen = _NOT_WAITING
+            return waiting
+        commit = self._last_commit()
+        if self._commit_when_seen is _NOT_WAITING:
+            self._commit_when_seen = commit
+            print(f"torchrig launch: {waiting} machine(s) waiting to join; the workers grow into them after their "
+                  "next checkpoint commit", file=sys.stderr, flush=True)
+            return 0
+        if commit == self._commit_when_seen:
+            return 0
+        print(f"torchrig launch: checkpoint {commit} committed; restarting the workers into a round with the {waiting} waiting machine(s)", file=sys.stderr, flush=True)
+        return waiting
 
     def get_run_id(self) -> str:
         return self.inner.get_run_id()
 
     def shutdown(self) -> bool:
         return self.inner.shutdown()
+
 
 
 def rendezvous_handler(plan: LaunchPlan) -> tuple[RendezvousHandler, str | None, int | None]:
