@@ -2,7 +2,8 @@
 ``Accelerator(strategy="ft")`` until torchft's committed step reaches the number in the stop file.
 
 Prints one JSON line per loop iteration (committed step, replica groups in the quorum, a digest of
-the parameters) and writes the final parameters to ``<out>/params-<replica>.pt``.
+the parameters), writes the final parameters to ``<out>/params-<replica>.pt`` and saves a checkpoint
+in ``<out>/checkpoint-<replica>``.
 Arguments: replica index, output directory. The lighthouse comes from ``TORCHRIG_FT_CONFIG__*``.
 """
 
@@ -56,6 +57,7 @@ def main() -> None:
         time.sleep(0.05)
     torch.save({k: v.detach().cpu() for k, v in accelerator.unwrap_model(model).state_dict().items()},
                os.path.join(out, f"params-{replica}.pt"))
+    accelerator.save_state(os.path.join(out, f"checkpoint-{replica}"))  # torchft's step counter goes in it
     accelerator.end_training()
     print(json.dumps({"done": True}), flush=True)
 

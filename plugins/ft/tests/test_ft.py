@@ -114,6 +114,10 @@ def test_a_killed_replica_group_rejoins_from_its_live_peer_while_the_other_keeps
     assert final[0].keys() == final[1].keys()
     for name in final[0]:
         assert torch.equal(final[0][name], final[1][name]), name
+    # torchft's step counter is in each group's checkpoint: the restarted group's came from its peer.
+    saved = [torch.load(tmp_path / f"checkpoint-{replica}" / "torchft_manager.pt", weights_only=True)["step"]
+             for replica in (0, 1)]
+    assert saved == [survived[-1]["step"]] * 2
 
 
 def test_no_lighthouse_address_is_refused_naming_the_key() -> None:
