@@ -2,8 +2,9 @@
 
 Each torchrig job (one process here) is one *replica group*. Its ``torchft.Manager`` asks the
 lighthouse, at every step, which groups are alive (the quorum), reconfigures a process group over
-exactly those, all-reduces gradients over it, and commits the optimizer step only when every
-member of the quorum voted that its step succeeded. A group that dies is left out of the next
+exactly those, all-reduces gradients over it, and commits the optimizer step only when the
+group's processes agree that the quorum's all-reduce succeeded and enough groups (``min_replicas``)
+took part (torchft's ``should_commit``: a vote inside the group, not across groups). A group that dies is left out of the next
 quorum: the others keep stepping without restarting. A group that (re)joins is behind: torchft
 sends it a live peer's state (the model, the optimizer, its schedulers and torchft's step
 counter) over its checkpoint transport, and it continues from there.
@@ -84,7 +85,8 @@ class ReplicaGroup:
             self.quorum_started = True
 
     def commit(self) -> bool:
-        """The quorum's vote on this step; True only when every member's step succeeded."""
+        """torchft's ``should_commit``: True when this step's all-reduce over the quorum succeeded and
+        enough replica groups took part."""
         assert self.manager is not None
         self.start_step()
         self.quorum_started = False
