@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class FTManifest(PluginManifest):
     api_version = HOOK_API_VERSION
     summary = "torchft replica groups: data parallel across groups that drop out and rejoin without a restart"
-    install_hint = "torchrig-ft"
+    install_hint = "torchrig[ft]"
     requires = ("torchft",)
     parallelism_axes = ("dp_replicate",)  # every replica group holds a full replica
     exports = {"FTKwargs": "torchrig_ft.options:FTKwargs"}
