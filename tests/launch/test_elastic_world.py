@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -156,7 +157,7 @@ def _committed(project: Path) -> list[str]:
 
 
 def _kill_one_of_two_machines(tmp_path: Path, guard, script: str, flags: list[str], steps: int,
-                              pause: str) -> tuple[Path, Path, str]:
+                              *script_args: str) -> tuple[Path, Path, str]:
     """Two launchers ("machines") on loopback, ``--num_machines 1:2``; machine 1's process group
     killed with ``kill -9`` after :data:`KILL_AFTER` commits; machine 0 must go on alone and finish.
     Returns the output folder, the project and machine 0's stderr."""
@@ -164,9 +165,9 @@ def _kill_one_of_two_machines(tmp_path: Path, guard, script: str, flags: list[st
     out.mkdir()
     port = free_port()
     common = ["--num_machines", "1:2", *flags, "--main_process_ip", "127.0.0.1",
-              "--main_process_port", str(port), "--max_restarts", "2",
+              "--main_process_port", str(port), "--max_restarts", "3",
               "--rdzv_conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"]
-    arguments = [str(SCRIPTS / script), str(out), str(project), str(steps), pause]
+    arguments = [str(SCRIPTS / script), str(out), str(project), str(steps), *script_args]
     survivor, victim = (_launch(tmp_path, guard, *common, "--machine_rank", str(machine),
                                 "--log_dir", str(tmp_path / f"logs{machine}"), *arguments) for machine in (0, 1))
     deadline = time.monotonic() + 60
@@ -180,7 +181,9 @@ def _kill_one_of_two_machines(tmp_path: Path, guard, script: str, flags: list[st
     for ready in out.glob("ready-*"):
         guard.track(int(ready.read_text()))
     assert survivor.returncode == 0, err
-    assert "restarting (1 of 2)" in err and "finished after 1 restart(s)" in err
+    # one restart for the kill; a second only when another process took the round's master port first
+    # (EADDRINUSE: the port is chosen free, then bound by the workers' store seconds later)
+    assert "restarting (1 of 3)" in err and re.search(r"finished after [12] restart\(s\)", err), err
     return out, project, err
 
 
@@ -231,13 +234,13 @@ def test_killing_one_machine_of_a_tp_mesh_shrinks_dp_shard_and_keeps_tp(tmp_path
     mesh = ["--strategy", "fsdp", "--tp_size", "2"]
     out, project, _ = _kill_one_of_two_machines(tmp_path, process_guard, "elastic_mesh_train.py",
                                                 ["--num_processes", "4", *mesh, "--dp_shard_size", "2"],
-                                                MESH_STEPS, "0.3")
+                                                MESH_STEPS, "0.3", "4")
     run = json.loads((out / "run.json").read_text())
     assert (run["world"], run["mesh"]) == (2, {"dp_shard": 1, "tp": 2}), run
     resumed = run["resumed"]
     assert resumed.startswith("checkpoint_") and int(resumed.rpartition("_")[2]) >= KILL_AFTER - 1, run
-    steps_done = int(resumed.rpartition("_")[2]) + 1  # checkpoint_0 is saved after the first step
-    assert run["first_sample"] == steps_done * 2 * SAMPLES_PER_RANK, run  # dp_shard 2 consumed 4 samples a step
+    # every step before the kill ran on dp_shard 2: 2 ranks x 2 samples each; the survivor goes on from there
+    assert run["first_sample"] == run["resumed_step"] * 2 * SAMPLES_PER_RANK > 0, run
     reference_out = _resume_reference(tmp_path, process_guard, project, resumed, "elastic_mesh_train.py",
                                       ["--num_processes", "2", *mesh], MESH_STEPS)
     reference = json.loads((reference_out / "run.json").read_text())

@@ -1,10 +1,13 @@
 """Elastic N-D training script (fsdp strategy, tensor parallel over 2 ranks): argv OUT PROJECT STEPS
-SLEEP. The mesh sizes come from the launch flags (``--tp_size 2 --dp_shard_size 2``, or ``--tp_size 2``
+SLEEP [FULL_WORLD]. The mesh sizes come from the launch flags (``--tp_size 2 --dp_shard_size 2``, or ``--tp_size 2``
 alone for the reference); each rank keeps its batch of 2 samples. Saves after every optimizer step
 (sleeping SLEEP seconds in the first attempt only, so a kill lands mid-run); on a restart (or with a
 checkpoint in PROJECT) resumes from the latest commit with ``allow_world_size_change=True``. Rank 0
 writes the gathered final parameters, the checkpoint it resumed from, the mesh it ran on and the
-index of the first sample it trained on after resuming into OUT."""
+index of the first sample it trained on after resuming into OUT. FULL_WORLD: a first round with fewer
+ranks (a machine joined after the round closed) trains nothing: it commits a step-0 checkpoint, so
+the launcher grows the world at once, and waits to be restarted into it (every step then runs on
+the full mesh, whatever the join order)."""
 
 import json
 import os
@@ -51,6 +54,11 @@ accelerator.register_for_checkpointing(count)
 resumed = None
 if (project / "checkpoints").is_dir() and any((project / "checkpoints").iterdir()):
     resumed = Path(accelerator.load_state(allow_world_size_change=True)).name
+elif accelerator.num_processes < (int(sys.argv[5]) if len(sys.argv) > 5 else 0):
+    accelerator.save_state()
+    time.sleep(120)  # stopped by the launcher, which grows the world after this commit
+    sys.exit(f"the launcher did not grow the world to {sys.argv[5]} ranks after the step-0 commit")
+resumed_step = count.step
 mesh = accelerator.torch_device_mesh
 first_sample = None
 while count.step < steps:
@@ -69,6 +77,7 @@ while count.step < steps:
 params = {name: full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
 if accelerator.is_main_process:
     torch.save(params, out / "final.pt")
-    layout = {"world": accelerator.num_processes, "resumed": resumed, "first_sample": first_sample,
+    layout = {"world": accelerator.num_processes, "resumed": resumed, "resumed_step": resumed_step,
+              "first_sample": first_sample,
               "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)) if mesh is not None else None}
     (out / "run.json").write_text(json.dumps(layout))
