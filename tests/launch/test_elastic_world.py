@@ -114,6 +114,9 @@ def test_a_round_the_mesh_cannot_fit_is_refused_at_start_naming_the_world_and_th
     config = ParallelismConfig(tp_size=2, dp_shard_size=2, elastic_axis="dp_shard")
     assert mesh_layout(config, 2) == ((1, 2), ("dp_shard", "tp"))
     assert mesh_layout(config, 6) == ((3, 2), ("dp_shard", "tp"))
+    hsdp = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, elastic_axis="dp_replicate")  # a replica a machine
+    assert mesh_layout(hsdp, 2) == ((2,), ("dp_shard",))
+    assert mesh_layout(hsdp, 6) == ((3, 2), ("dp_replicate", "dp_shard"))
     with pytest.raises(ConfigError) as refused:
         mesh_layout(config, 3)
     assert "parallelism_config.dp_shard_size" in str(refused.value)
