@@ -396,6 +396,12 @@ def _check_split_points(instance: Any, attribute: attrs.Attribute, value: Any) -
         raise ValueError(f"names a module twice: {value!r}", attribute)
 
 
+def default_elastic_axis(chosen: str | None, dp_replicate_size: int) -> str:
+    """``elastic_axis`` when given, else ``dp_replicate`` when its size is -1 (the user asked it to
+    fill the world), else ``dp_shard``."""
+    return chosen or ("dp_replicate" if dp_replicate_size == -1 else "dp_shard")
+
+
 def _size_option(axis: str, what: str) -> Any:
     # Accelerate's config files spell the keys parallelism_config_<axis>_size.
     return option(1, help=f"{what} (-1: inferred from the world size)", validator=_mesh_size,
@@ -474,7 +480,7 @@ class ParallelismConfig:
         ``dp_replicate`` when its size is -1, else ``dp_shard``; None when the world is fixed."""
         if core.min_machines is None or core.min_machines >= core.num_machines:
             return None
-        return self.elastic_axis or ("dp_replicate" if self.dp_replicate_size == -1 else "dp_shard")
+        return default_elastic_axis(self.elastic_axis, self.dp_replicate_size)
 
 
 @attrs.frozen(kw_only=True)
@@ -530,5 +536,6 @@ __all__ = [
     "ThroughputMonitorConfig",
     "TorchDynamoPlugin",
     "TorchTensorParallelPlugin",
+    "default_elastic_axis",
     "TrainingGuardConfig",
 ]

@@ -18,6 +18,7 @@ from torchrig.config.options import (
     PARALLELISM_AXES,
     ParallelismConfig,
     TorchTensorParallelPlugin,
+    default_elastic_axis,
 )
 from torchrig.config.schema import Problem
 
@@ -65,11 +66,7 @@ def elastic_sizes(sizes: Mapping[str, int], world_size: int, axis: str, *,
     different layout): a -1 on another axis, a world that is not a multiple of the fixed axes'
     product (fewer ranks than it included), and an ``ep_size`` that does not divide the new
     ``dp_shard`` (expert parallelism borrows its ranks from it)."""
-    problems: list[tuple[str, str]] = []
-    for other, size in sizes.items():
-        if other != axis and size == -1:
-            problems.append((other, f"-1 in an elastic run: {axis}_size absorbs each round's world size "
-                                    f"({SECTION}.elastic_axis) and the other axes stay fixed; give {other}_size a number"))
+    problems = _inferred_off_the_elastic_axis(sizes, axis)
     fixed_axes = {other: size for other, size in sizes.items() if other != axis and size > 1}
     fixed = math.prod(fixed_axes.values())
     shown = " x ".join(f"{key_of(other)}={size}" for other, size in fixed_axes.items()) or "none"
@@ -91,6 +88,13 @@ def elastic_sizes(sizes: Mapping[str, int], world_size: int, axis: str, *,
             f"of {world_size} ranks ({key_of(axis)} absorbs the world size; fixed: {shown}): expert parallelism "
             f"borrows its ranks from {lender}; launch machine counts whose {lender} is a multiple of {ep_size}")))
     return resolved, problems
+
+
+def _inferred_off_the_elastic_axis(sizes: Mapping[str, int], axis: str) -> list[tuple[str, str]]:
+    """A -1 on another axis than the elastic one: which axis absorbs the world would be ambiguous."""
+    return [(other, f"-1 in an elastic run: {axis}_size absorbs each round's world size ({SECTION}.elastic_axis) "
+                    f"and the other axes stay fixed; give {other}_size a number")
+            for other, size in sizes.items() if other != axis and size == -1]
 
 
 def elastic_round_problems(sizes: Mapping[str, int], axis: str, *, ep_size: int, min_machines: int,
@@ -186,7 +190,7 @@ def _elastic_problems(values: Mapping[str, object], sizes: Mapping[str, int],
                         where(key))]
     if all(size == 1 for size in sizes.values()):
         return []  # no mesh: the strategy's own layout spans the whole world, whatever its size
-    axis = chosen if isinstance(chosen, str) else ("dp_replicate" if sizes["dp_replicate"] == -1 else "dp_shard")
+    axis = default_elastic_axis(chosen if isinstance(chosen, str) else None, sizes["dp_replicate"])
     ep = values.get(key_of("ep"))
     ep_size = ep if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1 else 1
     total = values.get("num_processes")
@@ -194,7 +198,7 @@ def _elastic_problems(values: Mapping[str, object], sizes: Mapping[str, int],
         found = elastic_round_problems(sizes, axis, ep_size=ep_size, min_machines=low, max_machines=high,
                                        processes_per_machine=total // high)
     else:  # processes per machine unknown yet: the -1 rule alone (the launcher checks the rounds once it knows)
-        found = [(other, message) for other, message in elastic_sizes(sizes, 0, axis)[1] if other != axis]
+        found = _inferred_off_the_elastic_axis(sizes, axis)
     return [Problem(key_of(culprit), message, where(key_of(culprit))) for culprit, message in found]
 
 

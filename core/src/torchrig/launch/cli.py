@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn, TextIO
 
 from torchrig.config.flags import FlagSpec, add_config_flags, collect_flags, flag_values
-from torchrig.config.options import PARALLELISM_AXES, CoreOptions, ParallelismConfig
+from torchrig.config.options import PARALLELISM_AXES, default_elastic_axis
 from torchrig.config.parallelism import elastic_round_problems
 from torchrig.config.parallelism import key_of as parallelism_key
 from torchrig.config.readers import CONFIG_FILE_ENV, LAUNCH_OVERRIDES_ENV, encode_launch_overrides
@@ -551,10 +551,8 @@ def _check_elastic_rounds(config: ResolvedConfig, low: int, high: int, per_machi
     sizes = {axis: config.get(parallelism_key(axis)) for axis in PARALLELISM_AXES}
     if all(size == 1 for size in sizes.values()):
         return
-    axis = ParallelismConfig(**{f"{a}_size": s for a, s in sizes.items()},
-                             elastic_axis=config.get("parallelism_config.elastic_axis")).elastic_axis_for(
-        CoreOptions(min_machines=low, num_machines=high))
-    found = elastic_round_problems(sizes, axis or "dp_shard", ep_size=config.get(parallelism_key("ep")) or 1,
+    axis = default_elastic_axis(config.get("parallelism_config.elastic_axis"), sizes["dp_replicate"])
+    found = elastic_round_problems(sizes, axis, ep_size=config.get(parallelism_key("ep")) or 1,
                                    min_machines=low, max_machines=high, processes_per_machine=per_machine)
     if found:
         raise ConfigError([f"{parallelism_key(culprit)}: {message}" for culprit, message in found])
