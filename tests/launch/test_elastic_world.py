@@ -211,7 +211,7 @@ def _bit_equal(left: dict, right: dict) -> bool:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_killing_one_machine_leaves_the_other_training_from_the_last_commit(tmp_path, process_guard):
     out, project, _ = _kill_one_of_two_machines(tmp_path, process_guard, "elastic_train.py", ["--num_processes", "2"],
                                                 STEPS, "0.3")
@@ -228,7 +228,7 @@ SAMPLES_PER_RANK = 2  # the per-rank batch, kept when the data-parallel size cha
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)
 def test_killing_one_machine_of_a_tp_mesh_shrinks_dp_shard_and_keeps_tp(tmp_path, process_guard):
     """tp 2 x dp_shard 2 on two machines of 2 ranks (fsdp strategy); one machine killed: the other
     re-derives dp_shard 1 from its world of 2 (tp stays 2), resumes from the last commit at the exact
