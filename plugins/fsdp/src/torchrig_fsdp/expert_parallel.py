@@ -24,7 +24,6 @@ token's weighted sum of its experts' outputs (docs/parallelism.md, "Expert paral
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +35,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torchrig.plugin import ConfigError
+
+from torchrig_fsdp.mesh import declared_plan, matches_by_segment
 
 #: Attributes where a model declares its expert-parallel plan (transformers: on the config, ``base_model_``).
 PLAN_ATTRIBUTES = ("_ep_plan", "base_model_ep_plan")
@@ -71,25 +72,8 @@ def experts_shard_mesh(experts: Any) -> Any:
 
 def model_ep_plan(model: torch.nn.Module) -> dict[str, str] | None:
     """The expert-parallel plan a model declares (``_ep_plan``, or ``base_model_ep_plan`` on its config),
-    its patterns made relative to ``model`` as :func:`torchrig_fsdp.mesh.model_plan` does for tp plans."""
-    for name, module in model.named_modules():
-        for attribute in PLAN_ATTRIBUTES:
-            owner, plan = name, getattr(module, attribute, None)
-            if not plan:
-                plan = getattr(getattr(module, "config", None), attribute, None)
-                base = getattr(module, "base_model_prefix", "")
-                if attribute == "base_model_ep_plan" and base and isinstance(getattr(module, base, None),
-                                                                               torch.nn.Module):
-                    owner = f"{name}.{base}" if name else base
-            if isinstance(plan, dict) and plan:
-                return {(f"{owner}.{key}" if owner else key): style for key, style in plan.items()}
-    return None
-
-
-def _matches(name: str, pattern: str) -> bool:
-    """transformers' matching: ``*`` is one dotted segment (a layer number)."""
-    names, patterns = name.split("."), pattern.split(".")
-    return len(names) == len(patterns) and all(map(fnmatch.fnmatchcase, names, patterns))
+    its patterns made relative to ``model`` as for tensor-parallel plans (:func:`torchrig_fsdp.mesh.declared_plan`)."""
+    return declared_plan(model, PLAN_ATTRIBUTES)
 
 
 def experts_modules(model: torch.nn.Module, plan: dict[str, str], where: str) -> list[str]:
@@ -100,13 +84,13 @@ def experts_modules(model: torch.nn.Module, plan: dict[str, str], where: str) ->
     found, problems = [], []
     for pattern, style in plan.items():
         if style == MODULE_STYLE:
-            found += [name for name in modules if _matches(name, pattern)]
+            found += [name for name in modules if matches_by_segment(name, pattern)]
         elif style != PARAMETER_STYLE:
             problems.append(f"{where}: {pattern!r}: style {style!r} is not an expert-parallel style (use "
                             f"{MODULE_STYLE!r} for an experts module, {PARAMETER_STYLE!r} for its weights)")
     for pattern, style in plan.items():
         if style == PARAMETER_STYLE:
-            stray = [name for name in parameters if _matches(name, pattern) and name.rpartition(".")[0] not in found]
+            stray = [name for name in parameters if matches_by_segment(name, pattern) and name.rpartition(".")[0] not in found]
             if stray:
                 problems.append(f"{where}: {pattern!r} ({PARAMETER_STYLE}) names {stray[0]!r}, whose module is not "
                                 f"marked {MODULE_STYLE!r}")

@@ -118,25 +118,31 @@ def torchrig_styles(loss_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def model_plan(model: torch.nn.Module) -> dict[str, Any] | None:
-    """A plan the model declares itself (transformers: ``_tp_plan``, or ``base_model_tp_plan`` in its
-    config), its patterns made relative to ``model``: a plan found on a submodule gets the
-    submodule's name in front, a config's ``base_model_tp_plan`` the base model's
-    (``base_model_prefix``)."""
+def declared_plan(model: torch.nn.Module, attributes: tuple[str, str]) -> dict[str, Any] | None:
+    """A plan the model declares itself under ``attributes`` (transformers: ``("_tp_plan",
+    "base_model_tp_plan")``, the module's own and its config's base-model one), its patterns made relative
+    to ``model``: a plan found on a submodule gets the submodule's name in front, a config's base-model
+    plan the base model's (``base_model_prefix``)."""
+    own_attribute, base_attribute = attributes
     for name, module in model.named_modules():
-        for attribute in ("_tp_plan", "base_model_tp_plan"):
+        for attribute in (own_attribute, base_attribute):
             owner, plan = name, getattr(module, attribute, None)
             if not plan:
                 plan = getattr(getattr(module, "config", None), attribute, None)
                 base = getattr(module, "base_model_prefix", "")
-                if attribute == "base_model_tp_plan" and base and isinstance(getattr(module, base, None), torch.nn.Module):
+                if attribute == base_attribute and base and isinstance(getattr(module, base, None), torch.nn.Module):
                     owner = f"{name}.{base}" if name else base
             if isinstance(plan, dict) and plan:
                 return {(f"{owner}.{key}" if owner else key): style for key, style in plan.items()}
     return None
 
 
-def _matches_by_segment(name: str, pattern: str) -> bool:
+def model_plan(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The tensor-parallel plan the model declares (``_tp_plan`` / ``base_model_tp_plan``): :func:`declared_plan`."""
+    return declared_plan(model, ("_tp_plan", "base_model_tp_plan"))
+
+
+def matches_by_segment(name: str, pattern: str) -> bool:
     """transformers' matching: ``*`` stands for one dotted segment (a layer number), never for several."""
     names, patterns = name.split("."), pattern.split(".")
     return len(names) == len(patterns) and all(map(fnmatch.fnmatchcase, names, patterns))
@@ -156,7 +162,7 @@ def resolve_plan(model: torch.nn.Module, plan: dict[str, Any], loss_parallel: bo
     naming ``where``, the pattern, and what to do."""
     styles = torchrig_styles(loss_parallel)
     table = hf_styles.TRANSFORMERS_STYLES  # a user's plan may be copied from a model's own (manifest: tp_styles)
-    matches = _matches_by_segment if own else fnmatch.fnmatchcase
+    matches = matches_by_segment if own else fnmatch.fnmatchcase
     modules = dict(model.named_modules())
     names = [name for name in modules if name]
     parameter_names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
@@ -292,6 +298,6 @@ def loss_parallel_backward(backward: Any) -> Any:
     return backward_in_loss_parallel
 
 
-__all__ = ["AXES", "DATA_AXES", "apply_tensor_parallel", "data_mesh", "data_parallel_group", "data_parallel_layout",
-           "loss_parallel_backward", "mesh_layout", "model_plan", "parallelism", "pp_mesh", "resolve_plan",
+__all__ = ["AXES", "DATA_AXES", "apply_tensor_parallel", "data_mesh", "declared_plan", "data_parallel_group", "data_parallel_layout",
+           "loss_parallel_backward", "matches_by_segment", "mesh_layout", "model_plan", "parallelism", "pp_mesh", "resolve_plan",
            "torchrig_styles", "tp_mesh", "wrap_loss_parallel"]
