@@ -19,17 +19,7 @@ import numpy as np
 import torch
 from torchrig import Accelerator
 from torchrig.config.options import ProjectConfiguration
-
-
-class Progress:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
+from torchrig.testing.runs import StepCounter
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -61,7 +51,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
     loader = torch.utils.data.DataLoader(Indexed(), batch_size=4, shuffle=True)
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
-    progress = Progress()
+    progress = StepCounter()
     accelerator.register_for_checkpointing(progress)
     if accelerator.latest_checkpoint() is not None:
         accelerator.load_state()

@@ -13,18 +13,7 @@ import torch
 from _ready import announce
 from torchrig import Accelerator
 from torchrig.config.options import ProjectConfiguration
-
-
-class StepCount:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-
+from torchrig.testing.runs import StepCounter
 
 out = announce()
 project, steps = Path(sys.argv[2]), int(sys.argv[3])
@@ -36,7 +25,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 data = torch.utils.data.TensorDataset(torch.linspace(-1, 1, 256).unsqueeze(1).repeat(1, 4), torch.arange(256) % 2)
 loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=False)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-count = StepCount()
+count = StepCounter()
 accelerator.register_for_checkpointing(count)
 resumed = None
 if (project / "checkpoints").is_dir() and any((project / "checkpoints").iterdir()):

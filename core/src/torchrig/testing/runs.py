@@ -79,4 +79,18 @@ def tiny_run(*, steps: int = 3, cpu: bool = True, lr: float = 0.1, environ: dict
                        owners=dict(accelerator.step_plan.owners), skipped=skipped)
 
 
-__all__ = ["TinyRun", "tiny_run"]
+class StepCounter:
+    """The step a training script has reached, registered with ``accelerator.register_for_checkpointing``
+    so that a resumed (restarted, preempted, grown or shrunk) run continues from the step it saved."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+__all__ = ["StepCounter", "TinyRun", "tiny_run"]
