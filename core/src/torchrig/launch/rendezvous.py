@@ -166,7 +166,8 @@ class MachineRankRendezvous(RendezvousHandler):
             return 0
         if commit == self._commit_when_seen:
             return 0
-        print(f"torchrig launch: checkpoint {commit} committed; restarting the workers into a round with the {waiting} waiting machine(s)", file=sys.stderr, flush=True)
+        print(f"torchrig launch: checkpoint {commit} committed; restarting the workers into a round with the "
+              f"{waiting} waiting machine(s)", file=sys.stderr, flush=True)
         return waiting
 
     def get_run_id(self) -> str:
@@ -174,7 +175,6 @@ class MachineRankRendezvous(RendezvousHandler):
 
     def shutdown(self) -> bool:
         return self.inner.shutdown()
-
 
 
 def rendezvous_handler(plan: LaunchPlan) -> tuple[RendezvousHandler, str | None, int | None]:
