@@ -318,3 +318,30 @@ def test_policies_apply_to_each_pipeline_stage_and_under_tensor_parallel_alone(g
         assert result["calls"] == [2] * BLOCKS
         for name, p in reference.named_parameters():
             torch.testing.assert_close(result["grads"][name], p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_policies_apply_to_a_transformers_llama_with_its_key_value_cache_turned_off():
+    """A transformers model caches keys/values in forward by default (``config.use_cache``): a checkpointed
+    layer would recompute against the updated cache (selective checkpointing refuses: "not found in
+    storage"). The policies turn the cache off, as transformers' own gradient checkpointing does."""
+    from torchrig import Accelerator
+    from torchrig.testing.hf_models import build, make_data
+
+    tokens = make_data(4)[:][0]
+
+    def run(**fsdp_config):
+        accelerator = Accelerator(cpu=True, strategy="fsdp", fsdp_plugin=FullyShardedDataParallelPlugin(**fsdp_config))
+        model = accelerator.prepare(build("llama"))
+        calls = []
+        for layer in model.model.layers:
+            layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        return model, len(calls), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+    reference, plain_calls, expected = run()
+    assert reference.config.use_cache is True  # left alone without checkpointing
+    model, calls, grads = run(activation_checkpointing_policy="selective")
+    assert model.config.use_cache is False
+    assert calls == 2 * plain_calls  # every layer recomputed its cheap ops in backward
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, msg=lambda m, n=name: f"{n}: {m}")

@@ -23,12 +23,14 @@ are (nothing to move).
 from __future__ import annotations
 
 import functools
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._functorch.config as functorch_config
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torchrig.plugin import RunContext, TorchDynamoPlugin
 
@@ -37,6 +39,7 @@ from torchrig_fsdp.explain import FSDPConfigError
 from torchrig_fsdp.options import AC_POLICIES as POLICIES
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
 
+logger = logging.getLogger(__name__)
 _aten = torch.ops.aten
 #: Matrix products: kept by ``selective`` (every k-th of a block's, counted in forward and recompute alike).
 MATMULS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default})
@@ -74,10 +77,25 @@ def compiles(run: RunContext) -> bool:
     return dynamo.backend != "no" and not dynamo.disable
 
 
-def install(run: RunContext, blocks: Sequence[torch.nn.Module], options: FullyShardedDataParallelPlugin) -> None:
-    """:func:`apply` for a run: ``blocks`` are one root's wrapped blocks (``wrap_blocks``)."""
+def install(run: RunContext, root: torch.nn.Module, blocks: Sequence[torch.nn.Module],
+            options: FullyShardedDataParallelPlugin) -> None:
+    """:func:`apply` for a run: ``blocks`` are ``root``'s wrapped blocks (``wrap_blocks``)."""
     if wanted(options):
+        if resolved_policy(options) is not None:
+            without_kv_cache(root)
         apply(blocks, options, compiled=compiles(run))
+
+
+def without_kv_cache(root: torch.nn.Module) -> None:
+    """Turn off the key/value cache of the transformers models in ``root`` (``config.use_cache``), as
+    transformers' own gradient checkpointing does: a checkpointed layer that updates a cache in forward
+    recomputes against a changed cache (selective checkpointing refuses it: "invocation ... not found")."""
+    for module in root.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            logger.info("activation checkpointing: %s.config.use_cache set to False (no key/value cache while "
+                        "training with checkpointed layers)", type(module).__name__)
+            config.use_cache = False
 
 
 def every_kth(blocks: Sequence[torch.nn.Module], k: int) -> list[torch.nn.Module]:
@@ -166,8 +184,6 @@ def set_memory_budget(budget: float | None, *, compiled: bool) -> None:
             f"{key} ({budget}) acts only through torch.compile's partitioner, and this run does not compile "
             "(dynamo_config.backend is 'no'): set dynamo_config.backend (e.g. --dynamo_backend inductor), or choose "
             "activation_checkpointing_policy full, every_k or selective, which work eagerly")
-    import torch._functorch.config as functorch_config
-
     functorch_config.activation_memory_budget = budget
 
 
@@ -215,5 +231,6 @@ def offload_forward(block: torch.nn.Module) -> None:
     block._torchrig_offload_stats = stats
 
 
-__all__ = ["POLICIES", "OffloadStats", "apply", "checkpoint_forward", "compiles", "every_kth", "install", "offload_forward", "offload_stats",
-           "resolved_policy", "selective_context_fn", "set_memory_budget", "wanted"]
+__all__ = ["POLICIES", "OffloadStats", "apply", "checkpoint_forward", "compiles", "every_kth", "install",
+           "offload_forward", "offload_stats", "resolved_policy", "selective_context_fn", "set_memory_budget", "wanted",
+           "without_kv_cache"]

@@ -164,7 +164,7 @@ class FSDPStrategy:
             if _has_meta(model) and not fsdp_options(run).cpu_ram_efficient_loading:
                 _materialize(model, fsdp_options(run), None, device, run)
             if activation_checkpointing.wanted(fsdp_options(run)):  # unsharded, but its blocks still checkpointed
-                activation_checkpointing.install(run, wrap_blocks(model, fsdp_options(run), run), fsdp_options(run))
+                activation_checkpointing.install(run, model, wrap_blocks(model, fsdp_options(run), run), fsdp_options(run))
             return prepared
         options = fsdp_options(run)
         slots = _parameter_slots(model)
@@ -213,14 +213,14 @@ class FSDPStrategy:
             if run.section(CoreOptions).mixed_precision == "fp16" and nd.tp_mesh(mesh) is not None:
                 raise FSDPConfigError(_FP16_TP_ALONE)
             for root in roots if activation_checkpointing.wanted(options) else ():
-                activation_checkpointing.install(run, wrap_blocks(root, options, run), options)
+                activation_checkpointing.install(run, root, wrap_blocks(root, options, run), options)
             _materialize(model, options, rank0_state, device, run)
             for optimizer in prepared.optimizers:
                 remap_optimizer(optimizer, slots)
             return
         for root in roots:
             blocks = wrap_blocks(root, options, run)
-            activation_checkpointing.install(run, blocks, options)  # before fully_shard: recompute inside its hooks
+            activation_checkpointing.install(run, root, blocks, options)  # before fully_shard: recompute inside its hooks
             kwargs = _shard_kwargs(run, options, root, shard_mesh)
             policy = kwargs.pop("mp_policy")
             # Blocks return what they computed in (a block's output feeds the next block or the root's
@@ -228,8 +228,9 @@ class FSDPStrategy:
             block_policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
                                                 cast_forward_inputs=policy.cast_forward_inputs)
             if experts:  # over efsdp, before the blocks holding them (expert_parallel.py)
+                expert_kwargs = {key: value for key, value in kwargs.items() if key != "mesh"}
                 expert_parallel.fully_shard_experts(root, experts, expert_parallel.experts_shard_mesh(named["experts"]),
-                                                    mp_policy=block_policy, **{k: v for k, v in kwargs.items() if k != "mesh"})
+                                                    mp_policy=block_policy, **expert_kwargs)
             for block in blocks:  # children before the blocks containing them, then the root
                 fully_shard(block, mp_policy=block_policy, **kwargs)
             if options.reshard_after_forward is None and kwargs["reshard_after_forward"] is True:
