@@ -36,9 +36,11 @@ def test_a_mismatched_collective_on_4_cpu_ranks_is_named_with_both_call_sites(tm
     assert "torchrig launch: hang diagnosis: " + _expected_on_4_ranks() in err, err
     hang = run_status(log_dir)["attempts"][-1]["verdict"]["hang"]
     assert hang["verdict"] == "mismatched"
-    assert {rank: (d["collective"]["op"], d["collective"]["seq"], d["reason"]) for rank, d in hang["ranks"].items()} == {
-        "0": ("all_gather", 2, "timeout"), "1": ("all_gather", 2, "timeout"), "2": ("all_gather", 2, "timeout"),
-        "3": ("all_reduce", 2, "timeout")}
+    assert {rank: (d["collective"]["op"], d["collective"]["seq"]) for rank, d in hang["ranks"].items()} == {
+        "0": ("all_gather", 2), "1": ("all_gather", 2), "2": ("all_gather", 2), "3": ("all_reduce", 2)}
+    # each rank timed out, or (under load) failed on a peer that timed out first and exited
+    reasons = [d["reason"] for d in hang["ranks"].values()]
+    assert "timeout" in reasons and set(reasons) <= {"timeout", "peer lost"}, reasons
 
 
 @pytest.mark.gpu

@@ -59,6 +59,21 @@ def test_mismatched_collectives_name_the_odd_rank_both_collectives_and_both_line
         "mismatched collectives, called at train.py:88 vs train.py:91")
 
 
+def test_a_rank_that_lost_its_peer_inside_a_collective_counts_as_in_it():
+    """Under load the first rank to time out exits before a slower one's timeout elapses: the slower one
+    fails with gloo's "Connection closed by peer" inside the same collective, and is reported there."""
+    lost = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:7091")
+    assert collective_trace.is_peer_lost_error(lost) and not collective_trace.is_timeout_error(lost)
+    dumps = {r: _dump("timeout", "all_gather") for r in (1, 2)}
+    dumps[0] = _dump(collective_trace.PEER_LOST, "all_gather")
+    dumps[3] = _dump("timeout", "all_reduce", site="train.py:88")
+    diagnosis = hang_report.diagnose(dumps, range(4))
+    assert diagnosis["verdict"] == "mismatched"
+    assert diagnosis["text"].startswith("rank 3 is in all_reduce #2 of group dp (ranks 0\u20133) [Float[4]], called at "
+                                        "train.py:88; ranks 0\u20132 are in all_gather #2")
+    assert "wrote no hang dump" not in diagnosis["text"]
+
+
 def test_ranks_at_different_sequence_numbers_are_out_of_step():
     dumps = {0: _dump("timeout", "all_reduce", seq=5), 1: _dump("stopped", "all_reduce", seq=6, site="train.py:95")}
     diagnosis = hang_report.diagnose(dumps, [0, 1])

@@ -37,14 +37,8 @@ from torchrig.launch.status import (
     read_json,
     write_json_atomic,
 )
+from torchrig.resilience.collective_trace import PEER_LOST_WORDS, TIMEOUT_WORDS
 
-#: Words of a collective/rendezvous timeout in gloo, NCCL and torch.distributed messages.
-_TIMEOUT = re.compile(r"timed?[ -]?out|timeout|deadline exceeded", re.IGNORECASE)
-#: Errors a rank gets because *another* rank went away: never the culprit while a rank that
-#: failed on its own exists (a killed rank's exit is seen a few ms late, its peers' errors early).
-_PEER_LOST = re.compile(
-    r"closed by peer|reset by peer|connection reset|connection closed|broken pipe|remote worker|"
-    r"communicator was aborted|socket closed|peer .*(?:closed|gone|died)|Connection refused", re.IGNORECASE)
 #: A rank stopped inside one of these was waiting for the others, not stalled.
 _COLLECTIVE_FRAMES = ("torch/distributed/", "torch\\distributed\\")
 NEVER_STARTED = "never started"
@@ -57,13 +51,15 @@ def _when(record: Mapping[str, Any]) -> float:
 
 def is_timeout(record: Mapping[str, Any]) -> bool:
     text = f"{record.get('error') or ''}\n{_last_lines(record.get('traceback'), 3)}"
-    return bool(_TIMEOUT.search(text))
+    return bool(TIMEOUT_WORDS.search(text))
 
 
 def lost_peer(record: Mapping[str, Any]) -> bool:
     """Whether the rank failed because a peer went away (its error says so)."""
     text = f"{record.get('error') or ''}\n{_last_lines(record.get('traceback'), 3)}"
-    return bool(_PEER_LOST.search(text))
+    # a peer's loss is never the culprit while a rank that failed on its own exists (a killed rank's exit
+    # is seen a few ms late, its peers' errors early)
+    return bool(PEER_LOST_WORDS.search(text))
 
 
 def in_collective(record: Mapping[str, Any]) -> bool:

@@ -275,6 +275,8 @@ def _outcome(exc: BaseException, watch: _Watch) -> int:
         return _stopped(watch, exc.signum if isinstance(exc, Terminated) else signal.SIGINT, _format(exc))
     if collective_trace.is_timeout_error(exc):
         _dump_collectives(watch, collective_trace.TIMEOUT, collective_trace.frames_of(exc.__traceback__))
+    elif collective_trace.is_peer_lost_error(exc):
+        _dump_collectives(watch, collective_trace.PEER_LOST, collective_trace.frames_of(exc.__traceback__))
     if isinstance(exc, ConfigError):
         return _config_error(exc, watch)
     text = _format(exc)

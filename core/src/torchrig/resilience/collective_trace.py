@@ -36,9 +36,16 @@ FR_BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 _TORCHRIG_PACKAGE = re.compile(r"torchrig(_\w+)?")
 _DUMP_NAME = "rank-{rank}.hang.json"
 #: Words of a collective timeout in gloo, NCCL and torch.distributed messages.
-_TIMEOUT = re.compile(r"timed?[ -]?out|timeout|deadline exceeded", re.IGNORECASE)
-#: ``reason`` of a dump: the rank's own collective timed out / the launcher stopped the rank.
-TIMEOUT, STOPPED = "timeout", "stopped"
+TIMEOUT_WORDS = re.compile(r"timed?[ -]?out|timeout|deadline exceeded", re.IGNORECASE)
+#: Errors a rank gets because *another* rank went away (gloo's "Connection closed by peer", NCCL's
+#: aborted communicator): inside a collective, the rank was as stuck as one that timed out.
+PEER_LOST_WORDS = re.compile(
+    r"closed by peer|reset by peer|connection reset|connection closed|broken pipe|remote worker|"
+    r"communicator was aborted|socket closed|peer .*(?:closed|gone|died)|Connection refused", re.IGNORECASE)
+#: ``reason`` of a dump: the rank's own collective timed out / a peer went away while the rank was in a
+#: collective (under load a slower rank's timeout is often preceded by a faster one's exit) / the launcher
+#: stopped the rank.
+TIMEOUT, PEER_LOST, STOPPED = "timeout", "peer lost", "stopped"
 
 
 def dump_path(log_dir: str, rank: int) -> str:
@@ -75,7 +82,12 @@ def is_user_file(filename: str) -> bool:
 
 def is_timeout_error(exc: BaseException) -> bool:
     """Whether an exception says a collective (or the store behind it) timed out."""
-    return bool(_TIMEOUT.search(f"{type(exc).__name__}: {exc}"))
+    return bool(TIMEOUT_WORDS.search(f"{type(exc).__name__}: {exc}"))
+
+
+def is_peer_lost_error(exc: BaseException) -> bool:
+    """Whether an exception says a peer of this rank's collective went away."""
+    return bool(PEER_LOST_WORDS.search(f"{type(exc).__name__}: {exc}"))
 
 
 def user_call_site(frames: Iterable[tuple[str, int, str]]) -> str | None:
@@ -160,8 +172,8 @@ def _write_dump(log_dir: str, rank: int, *, reason: str, stack: list[tuple[str, 
     ranks_by_group = group_ranks()
     entries = flight_recorder_entries()
     collectives = in_flight(entries, ranks_by_group)
-    if not collectives and reason == TIMEOUT and entries:
-        # gloo retires the work that raised: the newest collective is the one that timed out
+    if not collectives and reason in (TIMEOUT, PEER_LOST) and entries:
+        # gloo retires the work that raised: the newest collective is the one that timed out or lost its peer
         collectives = [describe(entries[-1], ranks_by_group)]
     data = {
         "rank": rank, "attempt": attempt, "pid": os.getpid(), "reason": reason,
@@ -209,4 +221,4 @@ def _process_group_initialized() -> bool:
 
 
 __all__ = ["FR_BUFFER_VARIABLES", "RECORDED_COLLECTIVES", "STOPPED", "TIMEOUT", "describe", "dump_path", "flight_recorder_entries", "frames_of",
-           "group_ranks", "in_flight", "is_timeout_error", "is_user_file", "record_collectives", "user_call_site", "write_dump"]
+           "group_ranks", "in_flight", "is_peer_lost_error", "is_timeout_error", "is_user_file", "record_collectives", "user_call_site", "write_dump"]

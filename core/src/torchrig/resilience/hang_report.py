@@ -1,6 +1,6 @@
 """The launcher's comparison of the ranks' hang dumps: which ranks are in which collective.
 
-Each rank that timed out in a collective, or was stopped by the launcher, wrote
+Each rank that timed out in a collective, lost a peer in one, or was stopped by the launcher, wrote
 ``rank-N.hang.json`` (:mod:`torchrig.resilience.collective_trace`). Ranks that agree (same
 collective, sequence number, group, shapes and call site) are put together; where they do not,
 the report says so, e.g. "rank 3 is in all_reduce #2 of group default_pg (ranks 0–3), called at
