@@ -48,14 +48,16 @@ def _train(project, data, guard: TrainingGuardConfig | None, *, resume=False, sa
     accelerator.init_trackers("run")
     if resume:
         accelerator.load_state()
-    for x, y in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(F.mse_loss(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
-        if loader.state_dict()["batches_yielded"] % save_every == 0:
-            accelerator.save_state()
-    accelerator.end_training()
+    try:
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(F.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+            if loader.state_dict()["batches_yielded"] % save_every == 0:
+                accelerator.save_state()
+    finally:  # a rank the guard ends finishes its trackers at exit (atexit); here, before the test reads them
+        accelerator.end_training()
     return model
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torchrig.plugin import ConfigError
 from torchrig.testing.contracts import rank_environment
-from torchrig.testing.memory import bytes_held_since, live_storages
+from torchrig.testing.memory import bytes_held_since, live_storages, only_new_objects
 from torchrig.testing.models import SEQ, TP_PLAN, VOCAB, LMBlock, PipeLM, TinyLM, lm_loss
 from torchrig_fsdp.explain import FSDPConfigError
 from torchrig_fsdp.options import FullyShardedDataParallelPlugin
@@ -58,7 +58,6 @@ class CallCounter:
 def prepared(**fsdp_config):
     from torchrig import Accelerator
 
-    gc.collect()
     accelerator = Accelerator(cpu=True, strategy="fsdp", fsdp_plugin=FullyShardedDataParallelPlugin(**fsdp_config))
     model = make_model()
     counter = CallCounter(model)
@@ -69,9 +68,10 @@ def held_and_grads(**fsdp_config) -> tuple[int, dict[str, torch.Tensor], list[in
     """Bytes alive after one forward (what backward will read), the gradients, each block's forward calls."""
     _, model, counter = prepared(**fsdp_config)
     tokens, labels = lm_batch()
-    baseline = live_storages()
-    loss = model(tokens, labels)
-    held = bytes_held_since(baseline)
+    with only_new_objects():
+        baseline = live_storages()
+        loss = model(tokens, labels)
+        held = bytes_held_since(baseline)
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     return held, grads, counter.calls

@@ -5,12 +5,16 @@ once (by address), so a measurement taken before building a model and one after 
 differ by exactly what the model, its gradients, its optimizer and the strategy's own buffers hold
 — whichever library allocated them (FSDP2's DTensor shards, DeepSpeed's flat partitions).
 Activations are measured with :class:`torchrig.estimate.memory_model.SavedTensorCounter` on a real batch.
+In a process that has built much (a test worker after hundreds of tests), :func:`only_new_objects` keeps the
+walk to what a measurement made: milliseconds instead of a second each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -40,4 +44,17 @@ def bytes_held_since(baseline: dict[int, int]) -> int:
     return sum(size for address, size in live_storages().items() if baseline.get(address) != size)
 
 
-__all__ = ["bytes_held_since", "live_storages"]
+@contextlib.contextmanager
+def only_new_objects() -> Iterator[None]:
+    """Within the block, :func:`live_storages` (and the garbage collector) see only objects made inside it:
+    the heap before is frozen (``gc.freeze``) and thawed after. Take the baseline inside the block; a tensor
+    made before it stays invisible even if its storage changes inside."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+__all__ = ["bytes_held_since", "live_storages", "only_new_objects"]
