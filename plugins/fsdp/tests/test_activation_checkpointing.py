@@ -66,9 +66,9 @@ def prepared(**fsdp_config):
 
 def held_and_grads(**fsdp_config) -> tuple[int, dict[str, torch.Tensor], list[int]]:
     """Bytes alive after one forward (what backward will read), the gradients, each block's forward calls."""
-    _, model, counter = prepared(**fsdp_config)
-    tokens, labels = lm_batch()
-    with only_new_objects():
+    with only_new_objects():  # the run made inside: nothing of it stays frozen
+        _, model, counter = prepared(**fsdp_config)
+        tokens, labels = lm_batch()
         baseline = live_storages()
         loss = model(tokens, labels)
         held = bytes_held_since(baseline)

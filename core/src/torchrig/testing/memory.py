@@ -47,14 +47,19 @@ def bytes_held_since(baseline: dict[int, int]) -> int:
 @contextlib.contextmanager
 def only_new_objects() -> Iterator[None]:
     """Within the block, :func:`live_storages` (and the garbage collector) see only objects made inside it:
-    the heap before is frozen (``gc.freeze``) and thawed after. Take the baseline inside the block; a tensor
-    made before it stays invisible even if its storage changes inside."""
+    the heap before is frozen (``gc.freeze``). Take the baseline inside the block; a tensor made before it
+    stays invisible even if its storage changes inside. Where nothing was frozen before, the heap is thawed
+    after; where it was (the test suite freezes what collection built) it stays frozen, since Python cannot
+    thaw a part: what was alive at the block's start and dies later in a reference cycle is not collected —
+    make the objects the measurement needs inside the block."""
+    frozen_before = gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()
 
 
 __all__ = ["bytes_held_since", "live_storages", "only_new_objects"]
