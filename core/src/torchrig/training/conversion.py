@@ -9,6 +9,7 @@ replaced parameter is swapped in their param groups (and state) by its qualified
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,9 +24,10 @@ def refuse_distributed_model(model: Any) -> None:
     ``parallelize_module``/``fully_shard``. The strategy would wrap it a second time (DDP dies inside
     torch on a mixed DTensor/Tensor broadcast, FSDP2/TP re-shard what is sharded), and the run's
     checkpoints, clipping and loss reductions would not know that mesh. The message says what to do."""
-    from torch.distributed.tensor import DTensor
-
-    distributed = [(name, p) for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    if dtensor_module is None:  # never imported, so no DTensor exists (importing it costs each rank ~0.6 s)
+        return
+    distributed = [(name, p) for name, p in model.named_parameters() if isinstance(p, dtensor_module.DTensor)]
     if not distributed:
         return
     total = sum(1 for _ in model.parameters())

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -361,9 +362,10 @@ def get_module_children_bottom_up(model: torch.nn.Module, return_fqns: bool = Fa
 
 def model_has_dtensor(model: torch.nn.Module) -> bool:
     """Whether some parameter is a ``DTensor`` (sharded by FSDP2 or tensor parallelism)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(param, DTensor) for param in model.parameters())
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    if dtensor_module is None:  # never imported, so no DTensor exists (importing it costs ~0.6 s)
+        return False
+    return any(isinstance(param, dtensor_module.DTensor) for param in model.parameters())
 
 
 def get_model_tp_size(model: torch.nn.Module) -> int | None:
