@@ -160,7 +160,6 @@ def test_gradients_normalised_by_the_global_token_count_equal_the_full_batch_gra
 
 @pytest.fixture
 def single_accelerator():
-    gc.collect()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO_STEPS)
     model = tiny_model()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -214,7 +213,6 @@ def test_token_normalisation_refuses_an_ambiguous_or_empty_step(single_accelerat
 
 
 def test_a_step_without_a_valid_token_is_refused():
-    gc.collect()
     accelerator = Accelerator(cpu=True)
     model = accelerator.prepare(tiny_model())
     ids, labels = micro_batch(0, 0)
@@ -249,7 +247,6 @@ def test_a_strategy_whose_engine_owns_accumulation_refuses_num_tokens_by_name(gl
 def test_fp16_loss_scaling_composes_with_the_token_normalisation():
     """The GradScaler scales the summed loss; the W/N factor is applied to the scaled gradients and
     unscaling gives the full-batch gradient (within fp16 autocast's error, far from the naive mean)."""
-    gc.collect()
     # a small first scale: the summed loss's fp16 gradients at torch's 65536 overflow (the scaler would skip)
     accelerator = Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=MICRO_STEPS,
                               kwargs_handlers=[GradScalerKwargs(init_scale=16.0)])
@@ -290,7 +287,6 @@ def test_a_transformers_model_given_token_count_as_num_items_in_batch_trains_on_
     naive = hf_models.build("llama")
     for batch in micro:
         (naive(**batch).loss / len(micro)).backward()
-    gc.collect()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=len(micro))
     model = hf_models.build("llama")
     model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
