@@ -23,7 +23,6 @@ import re
 import signal
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,26 +38,11 @@ _EXEMPT_MARKERS = ("multiprocess", "packaging", "slow", "lint")
 # every rank a test launches compiles torchrig again. Where the tree is read-only, Python skips the write.
 sys.dont_write_bytecode = False
 
-
-
-def _sigint_ignored() -> bool:
-    """Whether this process ignores SIGINT at the OS level, as every process it starts then does
-    (``/proc/self/status`` ``SigIgn``: native code can set it without Python's ``signal.getsignal`` knowing)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("SigIgn:"):
-                    return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
-    except OSError:
-        pass
-    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-
-
 # The tests of Ctrl-C (the notebook launcher, `torchrig config`) need SIGINT delivered to the processes they start,
-# as in a terminal. A suite started with it ignored (by a shell that ignores it for background jobs), or a test that
-# leaves it ignored (once in CI, in a pytest worker, the culprit not yet known: :func:`_sigint_stays_deliverable`
-# names it), would pass that on: Python's own handler here makes the children start with the default again.
-if _sigint_ignored():
+# as in a terminal. A suite started with it ignored — a non-interactive shell ignores it for its background jobs
+# (`bash .ci/run &`): six such tests failed so — would pass that on; Python's own handler here makes the children
+# start with the default again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The standard library runs `uname -p` once per process, on first use, and caches the answer
@@ -108,17 +92,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     Objects the tests create are collected exactly as before."""
     gc.collect()
     gc.freeze()
-
-
-@pytest.fixture(autouse=True)
-def _sigint_stays_deliverable(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test that leaves SIGINT ignored in this worker is named (a warning), and SIGINT restored, so the tests
-    after it that start processes do not hand the ignored signal on."""
-    yield
-    if _sigint_ignored():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        warnings.warn(f"{request.node.nodeid} left SIGINT ignored in this pytest process (the processes later tests "
-                      "start would inherit it); restored Python's handler", stacklevel=1)
 
 
 @pytest.fixture(autouse=True)
